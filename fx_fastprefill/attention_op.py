@@ -1,0 +1,107 @@
+"""``fx_fastprefill.attention``: causal attention over a packed variable-length batch with a KV cache.
+
+The op is opaque to the compiler on purpose: the FX passes recognise it by name, read the KV-sharing
+relation from its ``layer`` / ``kv_source`` arguments, and rewrite it to its query-subset form
+(``query_rows``) in the reduced region. Per-step batch layout comes from :mod:`step_context`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .reference_attention import reference_attention, write_kv_rows
+from .step_context import current_step
+
+OP_NAMESPACE = "fx_fastprefill"
+
+
+def _check_arguments(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_source: str | None,
+                     sliding_window: int | None, query_rows: Tensor | None) -> None:
+    """Shape and argument checks shared by the real and the fake implementation."""
+    if not layer:
+        raise ValueError("fx_fastprefill.attention: `layer` must be a non-empty name")
+    if q.dim() != 3:
+        raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    if (k is None) != (v is None):
+        raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): pass both k and v, or neither (with kv_source)")
+    if k is None and kv_source is None:
+        raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): k and v are None, so kv_source must name the layer whose cache to read")
+    if kv_source is not None and kv_source == layer:
+        raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): kv_source names the layer itself")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): sliding_window must be >= 1 or None, got {sliding_window}")
+    if k is not None:
+        assert v is not None
+        if k.dim() != 3 or v.dim() != 3:
+            raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): k and v must be [tokens, kv_heads, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): k has {k.shape[1]} heads but v has {v.shape[1]}")
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"fx_fastprefill.attention(layer={layer!r}{' reading ' + repr(kv_source) if kv_source else ''}): q head_dim {q.shape[2]} != k head_dim {k.shape[2]}")
+        if q.shape[1] % k.shape[1] != 0:
+            raise ValueError(f"fx_fastprefill.attention(layer={layer!r}{' reading ' + repr(kv_source) if kv_source else ''}): {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    if query_rows is not None and (query_rows.dim() != 1 or query_rows.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): query_rows must be a 1-D integer tensor")
+
+
+def _require_step(layer: str):
+    step = current_step()
+    if step is None:
+        raise RuntimeError(
+            f"fx_fastprefill.attention(layer={layer!r}) was called outside a step: run the model through "
+            "fx_fastprefill.Runner, or inside `with fx_fastprefill.step_context(meta):`"
+        )
+    return step
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::write_kv", mutates_args=())
+def write_kv_op(k: Tensor, v: Tensor, layer: str) -> Tensor:
+    """Write this step's K/V rows of ``layer`` to its cache; returns an empty token tensor.
+
+    The passes split every cache write out of the attention call into this op, in the full region,
+    and make the readers consume its token: the write always runs (even when the reduced region is
+    skipped), and every read of the cache depends on it through the graph.
+    """
+    write_kv_rows(k, v, layer, _require_step(layer))
+    return k.new_empty(0)
+
+
+@write_kv_op.register_fake
+def _write_kv_fake(k, v, layer):
+    return k.new_empty(0)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::attention", mutates_args=())
+def attention_op(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_source: str | None,
+                 sliding_window: int | None, scale: float | None, query_rows: Tensor | None,
+                 kv_written: Tensor | None) -> Tensor:
+    _check_arguments(q, k, v, layer, kv_source, sliding_window, query_rows)
+    return reference_attention(q, k, v, layer, kv_source, sliding_window, scale, query_rows,
+                               kv_written is not None, _require_step(layer))
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, layer, kv_source, sliding_window, scale, query_rows, kv_written):
+    _check_arguments(q, k, v, layer, kv_source, sliding_window, query_rows)
+    v_head_dim = v.shape[2] if v is not None else q.shape[2]
+    return q.new_empty(q.shape[0], q.shape[1], v_head_dim)
+
+
+def attention(q: Tensor, k: Tensor | None = None, v: Tensor | None = None, *, layer: str,
+              kv_source: str | None = None, sliding_window: int | None = None,
+              scale: float | None = None) -> Tensor:
+    """Causal attention of a packed batch ``q [T, Hq, D]`` against this step's keys and the cache.
+
+    A layer that computes its own K/V passes ``k, v [T, Hkv, D]``; they are written to its cache.
+    A KV-sharing layer passes ``k=None, v=None, kv_source=<layer whose cache it reads>``.
+    ``sliding_window=w`` lets a query see the ``w`` most recent positions, itself included.
+    """
+    return torch.ops.fx_fastprefill.attention(q, k, v, layer, kv_source, sliding_window, scale, None, None)
+
+
+ATTENTION_OP = torch.ops.fx_fastprefill.attention.default
+WRITE_KV_OP = torch.ops.fx_fastprefill.write_kv.default
+
+# Argument positions of the attention op.
+Q, K, V, LAYER, KV_SOURCE, SLIDING_WINDOW, SCALE, QUERY_ROWS, KV_WRITTEN = range(9)

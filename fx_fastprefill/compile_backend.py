@@ -1,0 +1,198 @@
+"""The torch.compile backend: AOT to a functional aten graph, the fast-prefill passes, then Inductor.
+
+``torch.compile(model, backend="fx_fastprefill")`` uses a shared default instance;
+``fx_fastprefill.backend(...)`` makes one with options and its own ``reports``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch.fx import GraphModule, Node
+
+from .fallbacks import FallbackCounter
+from .fast_prefill_module import FastPrefillModule
+from .report import AttentionLayerInfo, FastPrefillReport, GatheredTensor, HoistStop
+
+log = logging.getLogger("fx_fastprefill")
+
+COMPILERS = ("inductor", "eager")
+
+
+def _decompositions():
+    from torch._inductor.decomposition import select_decomp_table
+    return select_decomp_table()
+
+
+def _clean_name(name: str) -> str:
+    """Dynamo's placeholder names as module paths: L_self_modules_embed_parameters_weight_ -> embed.weight."""
+    name = re.sub(r"^L_(self_)?", "", name).rstrip("_")
+    name = re.sub(r"_(modules|parameters|buffers)_", ".", "_" + name).lstrip("_").lstrip(".")
+    name = re.sub(r"^(modules|parameters|buffers)_", "", name)
+    return name
+
+
+def source_line(node: Node) -> str:
+    """The innermost user frame of a node's stack trace: 'file:line in fn: code'."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
+    if not frames:
+        return ""
+    path, line, fn, code = frames[-1]
+    return f"{path.rsplit('/', 1)[-1]}:{line} in {fn}: {code.strip()}"
+
+
+def _module_path(node: Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_name(path.replace("L['self'].", "").replace("L__self___", "")) if path else ""
+
+
+def _compile_region(gm: GraphModule, example_inputs: Sequence, compiler: str):
+    if compiler == "eager":
+        def run(args: list) -> list:
+            out = gm(*args)
+            args.clear()
+            return list(out)
+        return run
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+    # Each region is its own Inductor graph: give it its own tracing context (Inductor records the
+    # output strides of one graph per context).
+    with tracing(TracingContext(detect_fake_mode(list(example_inputs)))):
+        compiled = compile_fx_inner(gm, list(example_inputs), is_inference=True)
+
+    def run_compiled(args: list) -> list:
+        return list(compiled(args))
+    return run_compiled
+
+
+class FastPrefillBackend:
+    """A torch.compile backend. Keeps one :class:`FastPrefillReport` per compiled graph in ``reports``."""
+
+    def __init__(self, *, fast_prefill: bool = True, draft_layers: Iterable[str] = (), compiler: str = "inductor",
+                 prompt_len: int = 2048):
+        if not isinstance(fast_prefill, bool):
+            raise TypeError(f"fast_prefill must be a bool, got {fast_prefill!r}")
+        if isinstance(draft_layers, str) or not all(isinstance(d, str) for d in draft_layers):
+            raise TypeError(f"draft_layers must be an iterable of layer names (str), got {draft_layers!r}")
+        if compiler not in COMPILERS:
+            raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        if not isinstance(prompt_len, int) or prompt_len < 1:
+            raise ValueError(f"prompt_len must be a positive int (the prompt length of the FLOPs estimate), got {prompt_len!r}")
+        self.fast_prefill = fast_prefill
+        self.draft_layers = list(draft_layers)
+        self.compiler = compiler
+        self.prompt_len = prompt_len
+        self.reports: list[FastPrefillReport] = []
+        self.fallbacks = FallbackCounter()
+        self._input_names: list[str] = []
+
+    def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
+        self._input_names = [_clean_name(n.name) for n in gm.graph.nodes if n.op == "placeholder"]
+        return aot_module_simplified(gm, example_inputs, fw_compiler=self._compile_aten,
+                                     inference_compiler=self._compile_aten, decompositions=_decompositions())
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _compile_aten(self, gm: GraphModule, example_inputs: Sequence[Any]):
+        from fx_fastprefill.passes.attention_nodes import find_attention_nodes
+        from fx_fastprefill.passes.cut_graph import cut_graph
+        from fx_fastprefill.passes.eligible_layers import eligible_layers
+        from fx_fastprefill.passes.flops import estimate_flops
+        from fx_fastprefill.passes.gather_hoisting import NoCut, analyze
+        from fx_fastprefill.passes.link_kv_sources import link_kv_sources
+        from fx_fastprefill.passes.split_regions import split_regions
+
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        names = dict(zip(placeholders, self._input_names)) if len(placeholders) == len(self._input_names) else {}
+        layers = link_kv_sources(gm)
+        report = FastPrefillReport(
+            cut=False,
+            attention_layers=[AttentionLayerInfo(a.layer, a.kv_source, a.sliding_window) for a in layers],
+            eligible_layers=eligible_layers(layers, self.draft_layers, self.fast_prefill),
+            draft_layers=[a.layer for a in layers if a.layer in self.draft_layers],
+            prompt_len=self.prompt_len,
+            placeholder_names={n: names.get(n, n.name) for n in placeholders},
+        )
+        self.reports.append(report)
+        if not self.fast_prefill:
+            report.reason = "fast_prefill=False"
+            return self._compile_unchanged(gm, example_inputs, report)
+        if not layers:
+            report.reason = "the graph has no fx_fastprefill.attention call"
+        try:
+            plan = analyze(gm)
+        except NoCut as e:
+            report.reason = str(e) if not report.reason else report.reason + "; " + str(e)
+            return self._compile_unchanged(gm, example_inputs, report)
+        report.flops_full = estimate_flops(gm, plan.rows, plan.reduced_rows, self.prompt_len)
+        for stop in plan.stops:
+            report.stops.append(HoistStop(self._describe(stop.node, report), str(stop.node.target), stop.reason, source_line(stop.node)))
+        cut_graph(gm, plan)
+        stages = split_regions(gm)
+        compiled = {name: _compile_region(stage.module, [n.meta["val"] for n in stage.inputs], self.compiler)
+                    for name, stage in stages.items() if stage.module is not None}
+        module = FastPrefillModule(gm, stages, compiled, plan.index, plan.rows, plan.reduced_rows,
+                                   self.fallbacks, report.fallbacks)
+        reduced_attention = set(plan.reduced_attention)
+        report.rows_symbol, report.reduced_rows_symbol = plan.rows, plan.reduced_rows
+        report.cut = True
+        report.reduced_layers = [a.layer for a in find_attention_nodes(gm.graph) if a.node in reduced_attention]
+        report.gathered = [self._gathered(node, report) for node in stages["boundary"].nodes if "ffp_source" in node.meta]
+        report.flops_cut = estimate_flops(gm, plan.rows, plan.reduced_rows, self.prompt_len)
+        report.flops_removed_fraction = 1.0 - report.flops_cut / report.flops_full if report.flops_full else 0.0
+        report.graph = gm
+        log.info("fx_fastprefill: compiled a graph with %d attention layers\n%s", len(layers), report.summary())
+        return module
+
+    def _compile_unchanged(self, gm: GraphModule, example_inputs, report: FastPrefillReport):
+        report.graph = gm
+        log.info("fx_fastprefill: graph left unchanged: %s", report.reason)
+        return _compile_region_whole(gm, example_inputs, self.compiler)
+
+    def _describe(self, node: Node, report: FastPrefillReport) -> str:
+        if node.op == "placeholder":
+            return report.placeholder_names.get(node, node.name)
+        path = _module_path(node)
+        return f"{path}:{node.name}" if path else node.name
+
+    def _gathered(self, node: Node, report: FastPrefillReport) -> GatheredTensor:
+        from .graph_printer import format_shape
+        source = node.meta["ffp_source"]
+        symbols = {report.rows_symbol: "T", report.reduced_rows_symbol: "R"}
+        shape = f"{format_shape(source.meta['val'], symbols)} -> {format_shape(node.meta['val'], symbols)}"
+        return GatheredTensor(self._describe(source, report), shape, source_line(source))
+
+
+def _compile_region_whole(gm: GraphModule, example_inputs, compiler: str):
+    if compiler == "eager":
+        return gm
+    from torch._inductor.compile_fx import compile_fx_inner
+    return compile_fx_inner(gm, list(example_inputs), is_inference=True)
+
+
+def backend(*, fast_prefill: bool = True, draft_layers: Iterable[str] = (), **options: Any) -> FastPrefillBackend:
+    """A configured backend for ``torch.compile(model, backend=fx_fastprefill.backend(...))``.
+
+    Options: ``compiler`` ("inductor" or "eager": run the cut regions without Inductor) and
+    ``prompt_len`` (prompt length of the report's FLOPs estimate, default 2048).
+    """
+    unknown = set(options) - {"compiler", "prompt_len"}
+    if unknown:
+        raise TypeError(f"fx_fastprefill.backend() got unknown options {sorted(unknown)}; known: compiler, prompt_len")
+    return FastPrefillBackend(fast_prefill=fast_prefill, draft_layers=draft_layers, **options)
+
+
+default_backend = FastPrefillBackend()
+
+
+def fx_fastprefill_backend(gm: GraphModule, example_inputs: Sequence[Any]):
+    """Entry point for ``torch.compile(model, backend="fx_fastprefill")``; reports go to ``default_backend``."""
+    return default_backend(gm, example_inputs)

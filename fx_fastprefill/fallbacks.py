@@ -1,0 +1,28 @@
+"""Counting and logging every time a step leaves the fast path, with its reason.
+
+A fallback is never silent: the first occurrence of each reason is logged at INFO on the
+``fx_fastprefill`` logger, and every occurrence is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+log = logging.getLogger("fx_fastprefill")
+
+# The reasons a step runs the full-rows path (or skips the reduced region).
+NO_STEP_METADATA = "no step metadata (capture, dummy batch or a call outside the Runner)"
+PURE_DECODE = "pure decode batch (every row needs logits)"
+NOT_SMALLER = "padded logits rows are not fewer than the tokens"
+WHOLE_STEP_GRAPH = "a whole-step CUDA graph was asked for, which cannot hold a reduced batch"
+NO_LOGITS_ROWS = "no logits rows in this step (R == 0): reduced region skipped"
+
+
+class FallbackCounter(Counter):
+    """Occurrences by reason; logs each reason once."""
+
+    def record(self, reason: str, where: str = "") -> None:
+        if reason not in self:
+            log.info("fx_fastprefill%s: %s", f" [{where}]" if where else "", reason)
+        self[reason] += 1

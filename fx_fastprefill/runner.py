@@ -1,0 +1,273 @@
+"""Runner: owns the KV cache, schedules requests into steps, and runs the model one step at a time.
+
+A step packs the new tokens of several requests into one flat batch (decode rows first, then
+prompt chunks), under a token budget, so prefill, chunked prefill and decode mix freely. The model
+sees ``forward(input_ids[T], positions[T], logits_indices[R])``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .batch import SeqChunk, default_logits_indices, padded_indices, validate_logits_indices
+from .dynamic_shapes import compile_for_varying_sizes, varying_sizes
+from .fallbacks import FallbackCounter
+from .kv_cache import KVCache
+from .step_context import StepMetadata, step_context
+
+log = logging.getLogger("fx_fastprefill")
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    size = getattr(model, "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return module.num_embeddings
+    return None
+
+
+def _power_of_two_buckets(limit: int) -> list[int]:
+    sizes, n = [], 1
+    while n < limit:
+        sizes.append(n)
+        n *= 2
+    return sizes + [limit]
+
+
+@dataclass
+class _Request:
+    seq_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    slot_base: int
+    num_computed: int = 0
+    output: list[int] = field(default_factory=list)
+    prompt_logits: torch.Tensor | None = None
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return not self.in_prefill and len(self.output) >= self.max_new_tokens
+
+
+class Runner:
+    """Run a flat-batch model step by step, eagerly (``backend=None``) or through ``torch.compile``.
+
+    ``max_num_tokens`` bounds the rows of one step (longer prompts are chunked); ``max_model_len``
+    bounds one request (prompt plus generated tokens); ``max_num_seqs`` bounds the requests that
+    hold a KV cache region at once. ``logits_pad_sizes`` are the sizes the logits rows are padded
+    up to (powers of two by default; ``()`` disables padding).
+    """
+
+    def __init__(self, model: nn.Module, *, backend: Any = None, max_num_tokens: int, max_model_len: int = 4096,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_num_seqs: int = 8,
+                 logits_pad_sizes: Sequence[int] | None = None):
+        if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.max_num_tokens = max_num_tokens
+        self.max_model_len = max_model_len
+        self.vocab_size = _vocab_size(model)
+        self.logits_pad_sizes = list(_power_of_two_buckets(max_num_tokens) if logits_pad_sizes is None else sorted(logits_pad_sizes))
+        self.kv_cache = KVCache(max_num_seqs, max_model_len, self.device, dtype)
+        self.backend = self._resolve_backend(backend)
+        self._forward: Callable = model if self.backend is None else compile_for_varying_sizes(model, self.backend)
+        self._requests: dict[int, _Request] = {}
+        self._next_seq_id = 0
+        self._step_id = 0
+        self.steps_run = 0
+
+    @staticmethod
+    def _resolve_backend(backend: Any) -> Any:
+        if backend == "fx_fastprefill":
+            from .compile_backend import backend as make_backend
+            return make_backend()
+        return backend
+
+    # ----- what the compiled model reports -------------------------------------------------------
+
+    @property
+    def report(self):
+        """The latest fast-prefill report (None unless the backend is fx_fastprefill's)."""
+        reports = getattr(self.backend, "reports", None)
+        return reports[-1] if reports else None
+
+    @property
+    def fallbacks(self) -> FallbackCounter | None:
+        """Runtime fallback counters of the fast-prefill backend, by reason."""
+        return getattr(self.backend, "fallbacks", None)
+
+    # ----- one step ------------------------------------------------------------------------------
+
+    def _validate_tokens(self, seq_label: str, tokens: Sequence[int]) -> None:
+        for i, token in enumerate(tokens):
+            if not isinstance(token, int) or (self.vocab_size is not None and not 0 <= token < self.vocab_size):
+                bound = f"[0, {self.vocab_size})" if self.vocab_size is not None else "an int"
+                raise ValueError(f"{seq_label}: token {i} is {token!r}, outside the vocabulary {bound}")
+
+    def step(self, chunks: Sequence[SeqChunk], logits_indices: Sequence[int] | None = None) -> torch.Tensor:
+        """Run one step and return the logits rows ``[R, vocab]``.
+
+        A chunk whose ``seq_id`` is unknown starts a new request (it gets a KV region); a known one
+        continues where it stopped. ``logits_indices`` overrides the chunks' ``num_logits`` and is
+        checked: in range, strictly increasing, a suffix of each request's rows.
+        """
+        if not chunks:
+            raise ValueError("step() needs at least one chunk")
+        seen = set()
+        total = 0
+        for chunk in chunks:
+            if chunk.seq_id in seen:
+                raise ValueError(f"request {chunk.seq_id} appears twice in one step")
+            seen.add(chunk.seq_id)
+            if len(chunk.tokens) == 0:
+                raise ValueError(f"request {chunk.seq_id}: a chunk needs at least one token")
+            self._validate_tokens(f"request {chunk.seq_id}", chunk.tokens)
+            done = self._requests[chunk.seq_id].num_computed if chunk.seq_id in self._requests else 0
+            if done + len(chunk.tokens) > self.max_model_len:
+                raise ValueError(
+                    f"request {chunk.seq_id}: {done} cached + {len(chunk.tokens)} new tokens exceed max_model_len={self.max_model_len}"
+                )
+            total += len(chunk.tokens)
+        if total > self.max_num_tokens:
+            raise ValueError(f"the step has {total} tokens, more than max_num_tokens={self.max_num_tokens}")
+        rows = default_logits_indices(chunks) if logits_indices is None else [int(r) for r in logits_indices]
+        if logits_indices is not None:
+            validate_logits_indices(rows, chunks)
+        new = [c.seq_id for c in chunks if c.seq_id not in self._requests]
+        if len(new) > self.kv_cache.free_regions:
+            raise RuntimeError(f"{len(new)} new requests but only {self.kv_cache.free_regions} free KV cache regions (max_num_seqs)")
+        for seq_id in new:
+            self._requests[seq_id] = _Request(seq_id, [], 0, self.kv_cache.allocate_region())
+        return self._run(chunks, rows)
+
+    def _run(self, chunks: Sequence[SeqChunk], rows: list[int]) -> torch.Tensor:
+        requests = [self._requests[c.seq_id] for c in chunks]
+        query_start = [0]
+        for chunk in chunks:
+            query_start.append(query_start[-1] + len(chunk.tokens))
+        self._step_id += 1
+        meta = StepMetadata(
+            query_start=query_start,
+            context_lens=[r.num_computed for r in requests],
+            slot_base=[r.slot_base for r in requests],
+            kv_cache=self.kv_cache,
+            num_logits=len(rows),
+            has_prefill=len(rows) < query_start[-1],
+            step_id=self._step_id,
+        )
+        input_ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(r.num_computed, r.num_computed + len(c.tokens)) for r, c in zip(requests, chunks)]).to(self.device)
+        indices = padded_indices(rows, self.logits_pad_sizes, self.device)
+        with torch.no_grad(), step_context(meta), varying_sizes():
+            logits = self._forward(input_ids, positions, indices)
+        for request, chunk in zip(requests, chunks):
+            request.num_computed += len(chunk.tokens)
+        self.steps_run += 1
+        return logits[: len(rows)]
+
+    def free(self, seq_id: int) -> None:
+        """Release a request's KV cache region."""
+        request = self._requests.pop(seq_id, None)
+        if request is None:
+            raise KeyError(f"no live request {seq_id}")
+        self.kv_cache.free_region(request.slot_base)
+
+    # ----- scheduling whole requests --------------------------------------------------------------
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+        if not prompts:
+            raise ValueError("prompts is empty: pass at least one prompt")
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
+            if len(prompt) + max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                    f"{len(prompt) + max_new_tokens} positions, more than max_model_len={self.max_model_len}"
+                )
+            self._validate_tokens(f"prompt {i}", list(prompt))
+
+    def _schedule(self, waiting: list[_Request], running: list[_Request]) -> list[tuple[_Request, list[int], int]]:
+        """Decode rows first, then prompt chunks, then newly admitted prompts, within the budget."""
+        budget = self.max_num_tokens
+        plan = []
+        for request in running:
+            if budget == 0:
+                break
+            if request.in_prefill:
+                n = min(len(request.prompt) - request.num_computed, budget)
+                tokens = request.prompt[request.num_computed: request.num_computed + n]
+                reaches_end = request.num_computed + n == len(request.prompt)
+                plan.append((request, tokens, 1 if reaches_end else 0))
+            else:
+                tokens = [request.output[-1]]
+                n = 1
+                plan.append((request, tokens, 1))
+            budget -= n
+        while waiting and budget > 0 and self.kv_cache.free_regions > 0:
+            request = waiting.pop(0)
+            request.slot_base = self.kv_cache.allocate_region()
+            self._requests[request.seq_id] = request
+            running.append(request)
+            n = min(len(request.prompt), budget)
+            plan.append((request, request.prompt[:n], 1 if n == len(request.prompt) else 0))
+            budget -= n
+        return plan
+
+    def _serve(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[_Request]:
+        waiting = []
+        for prompt in prompts:
+            while self._next_seq_id in self._requests:
+                self._next_seq_id += 1
+            waiting.append(_Request(self._next_seq_id, list(prompt), max_new_tokens, -1))
+            self._next_seq_id += 1
+        finished, running = list(waiting), []
+        while waiting or running:
+            plan = self._schedule(waiting, running)
+            chunks = [SeqChunk(r.seq_id, tokens, n) for r, tokens, n in plan]
+            logits = self._run(chunks, default_logits_indices(chunks))
+            row = 0
+            for request, _, num_logits in plan:
+                if num_logits == 0:
+                    continue
+                request_logits = logits[row]
+                row += 1
+                if request.prompt_logits is None:
+                    request.prompt_logits = request_logits
+                if len(request.output) < request.max_new_tokens:
+                    request.output.append(int(request_logits.argmax()))
+            for request in [r for r in running if r.done]:
+                running.remove(request)
+                self.free(request.seq_id)
+        return finished
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Logits of the last token of each prompt, ``[len(prompts), vocab]``."""
+        self._check_prompts(prompts, 0)
+        return torch.stack([r.prompt_logits for r in self._serve(prompts, 0)])
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy decoding: ``max_new_tokens`` new tokens for each prompt."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        self._check_prompts(prompts, max_new_tokens)
+        return [r.output for r in self._serve(prompts, max_new_tokens)]

@@ -1,0 +1,74 @@
+"""Per-step batch metadata, visible to the attention op and to the compiled graph's runtime.
+
+The attention op is opaque to the compiler, so whatever changes every step (which rows belong to
+which request, where each request's KV cache lives, how many logits rows are real) travels beside
+the graph, in this context, instead of through the graph's inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .kv_cache import KVCache
+
+
+@dataclass
+class StepMetadata:
+    """One step of a packed variable-length batch.
+
+    Rows of the batch are grouped by request, in order: request ``i`` owns rows
+    ``query_start[i] : query_start[i + 1]``, which are its tokens at positions
+    ``context_lens[i] ...``; its KV cache occupies slots ``slot_base[i] + position``.
+    """
+
+    query_start: list[int]
+    context_lens: list[int]
+    slot_base: list[int]
+    kv_cache: KVCache
+    # Real number of logits rows of the step (the model may see more: padding).
+    num_logits: int
+    # True when some request has a prompt row that needs no logits (the reduced region can help).
+    has_prefill: bool
+    step_id: int = 0
+    # Set when a mode that cannot hold a reduced batch is asked for (one CUDA graph for the step).
+    whole_step_graph: bool = False
+    # Lazily built tensors, shared by every attention call of the step.
+    _tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start[-1]
+
+    def tensor(self, name: str, device: torch.device) -> torch.Tensor:
+        """The named per-step list as an int64 tensor on ``device``, built once per step."""
+        key = f"{name}@{device}"
+        if key not in self._tensors:
+            self._tensors[key] = torch.tensor(getattr(self, name), dtype=torch.int64, device=device)
+        return self._tensors[key]
+
+
+_current: StepMetadata | None = None
+
+
+def current_step() -> StepMetadata | None:
+    """The step being executed, or None outside :func:`step_context`."""
+    return _current
+
+
+@contextlib.contextmanager
+def step_context(meta: StepMetadata) -> Iterator[StepMetadata]:
+    """Make ``meta`` the current step for the attention op and the fast-prefill runtime."""
+    global _current
+    previous, _current = _current, meta
+    try:
+        yield meta
+    finally:
+        _current = previous

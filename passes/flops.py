@@ -1,0 +1,48 @@
+"""Estimated prefill FLOPs of a graph for one prompt of a stated length.
+
+Counts matrix products (mm, addmm, bmm) and attention; elementwise work is ignored. A causal
+attention call over all rows sees sum(min(p + 1, window)) keys; in its query-subset form each of
+its R queries (the last rows of the prompt) sees min(L, window) keys.
+
+Invariants: reads only; evaluates sizes with T = prompt length, R = 1, any other symbol = 1.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from torch.fx import GraphModule
+
+from fx_fastprefill.attention_op import ATTENTION_OP, Q, QUERY_ROWS, SLIDING_WINDOW
+
+from .token_layout import shape_exprs
+
+aten = torch.ops.aten
+
+
+def _evaluate(expr: sympy.Expr, values: dict) -> int:
+    expr = expr.subs(values)
+    return int(expr.subs({s: 1 for s in expr.free_symbols}))
+
+
+def estimate_flops(gm: GraphModule, rows: sympy.Symbol, reduced_rows: sympy.Symbol, prompt_len: int) -> float:
+    values = {rows: prompt_len, reduced_rows: 1}
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+            a, b = node.args[-2], node.args[-1]
+            sa = [_evaluate(e, values) for e in shape_exprs(a.meta["val"])]
+            sb = [_evaluate(e, values) for e in shape_exprs(b.meta["val"])]
+            batch = sa[0] if len(sa) == 3 else 1
+            total += 2 * batch * sa[-2] * sa[-1] * sb[-1]
+        elif node.target is ATTENTION_OP:
+            q = [_evaluate(e, values) for e in shape_exprs(node.args[Q].meta["val"])]
+            window = node.args[SLIDING_WINDOW] or prompt_len
+            if node.args[QUERY_ROWS] is None:
+                keys = sum(min(p + 1, window) for p in range(prompt_len))
+            else:
+                keys = q[0] * min(prompt_len, window)
+            total += 4 * q[1] * q[2] * keys
+    return float(total)

@@ -1,0 +1,185 @@
+"""Gather-hoisting analysis: how far upstream the logits-row gather can move.
+
+Starting from the model's own row gather (``hidden[logits_indices]``), walk the graph backwards in
+reverse topological order. A node joins the reduced region when every user of it is already in the
+region (or is the gather) and asks for its rows on one and the same layout, and its op has a
+transfer rule (passes/hoist_rules.py). Where a node cannot join, the hoist stops there: if region
+users need its rows, it becomes a boundary tensor, gathered once per layout.
+
+Invariants:
+- Sound by construction: a region node's every user is in the region, so nothing outside the
+  region ever sees reduced rows; anything needed whole (attention K/V, which feed the KV cache,
+  broadcast operands, graph outputs) stays in the full region.
+- Conservative: an op without a rule, or a rule that cannot prove row alignment, stops the hoist.
+- Reads only; the rewrite is passes/cut_graph.py.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+from torch.fx import GraphModule, Node
+
+from fx_fastprefill.attention_op import ATTENTION_OP
+
+from .hoist_rules import RuleResult, lookup_rule
+from .token_layout import Layout, shape_exprs
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Stop:
+    """A tensor the hoist could not move past, and why."""
+    node: Node
+    layout: Layout
+    reason: str
+
+
+@dataclass
+class HoistPlan:
+    rows: sympy.Symbol            # token count T
+    reduced_rows: sympy.Symbol    # logits-row count R
+    index: Node                   # the logits_indices graph input
+    seeds: list[tuple[Node, Layout]]  # the model's own gathers and the layout they select on
+    region: dict[Node, Layout] = field(default_factory=dict)
+    rules: dict[Node, RuleResult] = field(default_factory=dict)
+    # (tensor, layout) -> the (user, argument path) pairs that read its gathered rows
+    boundary: dict[tuple[Node, Layout], list[tuple[Node, tuple]]] = field(default_factory=dict)
+    stops: list[Stop] = field(default_factory=list)
+
+    @property
+    def reduced_attention(self) -> list[Node]:
+        return [n for n in self.region if n.target is ATTENTION_OP]
+
+
+class NoCut(Exception):
+    """The graph has no gather the pass can hoist; the message says why."""
+
+
+def _row_gather(node: Node) -> tuple[Node, Node, int] | None:
+    """(source, index, axis) when ``node`` selects rows of one dim by a 1-D integer index tensor."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.index.Tensor:
+        src, indices = node.args
+        picked = [(i, ix) for i, ix in enumerate(indices) if ix is not None]
+        if len(picked) != 1:
+            return None
+        axis, index = picked[0]
+    elif node.target is aten.index_select.default:
+        src, axis, index = node.args
+    else:
+        return None
+    val = index.meta.get("val") if isinstance(index, Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() != 1 or val.dtype not in (torch.int32, torch.int64):
+        return None
+    return src, index, axis
+
+
+def _single_symbol(expr: sympy.Expr) -> sympy.Symbol | None:
+    return expr if isinstance(expr, sympy.Symbol) else None
+
+
+def find_seeds(gm: GraphModule) -> tuple[list[tuple[Node, Layout]], Node, sympy.Symbol, sympy.Symbol]:
+    """The model's row gathers by a graph input, all by the same index; raises NoCut otherwise."""
+    candidates = []
+    for node in gm.graph.nodes:
+        found = _row_gather(node)
+        if found is None:
+            continue
+        src, index, axis = found
+        if index.op != "placeholder":
+            continue
+        shape = shape_exprs(src.meta.get("val"))
+        rows = _single_symbol(shape[axis]) if shape else None
+        reduced = _single_symbol(shape_exprs(index.meta["val"])[0])
+        if rows is None or reduced is None:
+            continue
+        candidates.append((node, index, axis, rows, reduced))
+    if not candidates:
+        raise NoCut("no row gather by a graph input (e.g. hidden[logits_indices]) over a dynamic token dim")
+    index = candidates[-1][1]
+    chosen = [c for c in candidates if c[1] is index]
+    rows, reduced = chosen[0][3], chosen[0][4]
+    if rows == reduced:
+        raise NoCut(
+            "the token count and the logits-row count share one size symbol (they were equal when traced, and duck "
+            "shaping merged them): trace through fx_fastprefill.Runner, or with torch.fx.experimental._config.use_duck_shape=False"
+        )
+    if any(c[3] != rows for c in chosen):
+        raise NoCut("the model gathers rows of tensors with different token counts by the same index")
+    return [(c[0], Layout(c[2])) for c in chosen], index, rows, reduced
+
+
+def _output_nodes(gm: GraphModule) -> set[Node]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return set(out.all_input_nodes)
+
+
+def _check_outputs(gm: GraphModule, seeds: set[Node], reduced: sympy.Symbol, outputs: set[Node]) -> None:
+    """Every graph output computed from the gathered rows must hold them on one plain dim, so that
+    the full-rows path can select them at the end."""
+    seen, stack = set(), list(seeds)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(u for u in node.users if u.op != "output")
+    for node in seen & outputs:
+        shape = shape_exprs(node.meta.get("val"))
+        plain = [s for s in shape or [] if reduced in s.free_symbols]
+        if len(plain) != 1 or plain[0] != reduced:
+            raise NoCut(f"graph output {node.name} is computed from the logits rows but does not keep them on one dim")
+
+
+def analyze(gm: GraphModule) -> HoistPlan:
+    seeds, index, rows, reduced = find_seeds(gm)
+    plan = HoistPlan(rows, reduced, index, seeds)
+    requested: dict[Node, dict[Layout, list]] = defaultdict(lambda: defaultdict(list))
+    needed_whole: dict[Node, str] = {}
+    seed_nodes = {s for s, _ in seeds}
+    outputs = _output_nodes(gm)
+    for seed, layout in seeds:
+        requested[seed.args[0]][layout].append((seed, ("args", 0)))
+    _check_outputs(gm, seed_nodes, reduced, outputs)
+
+    for node in reversed(list(gm.graph.nodes)):
+        if node not in requested or node in seed_nodes:
+            continue
+        layouts = requested[node]
+        reason = None
+        outside = [u for u in node.users if u not in plan.region and u not in seed_nodes]
+        if node.op != "call_function":
+            reason = "a graph input"
+        elif node in outputs:
+            reason = "a graph output"
+        elif node in needed_whole:
+            reason = needed_whole[node]
+        elif outside:
+            reason = f"also needed for all rows by {outside[0].name} ({outside[0].target})"
+        elif len(layouts) > 1:
+            reason = "needed with rows on two different dims"
+        else:
+            fn = lookup_rule(node)
+            layout = next(iter(layouts))
+            result = fn(node, layout, rows) if fn is not None else f"no hoisting rule for {node.target}"
+            if isinstance(result, str):
+                reason = result
+        if reason is not None:
+            for layout, users in layouts.items():
+                plan.boundary[(node, layout)] = users
+                plan.stops.append(Stop(node, layout, reason))
+            continue
+        plan.region[node] = layout
+        plan.rules[node] = result
+        for req in result.requirements:
+            if req.layout is None:
+                needed_whole.setdefault(req.node, f"needed whole by {node.name} ({node.target})")
+            else:
+                requested[req.node][req.layout].append((node, req.path))
+    return plan

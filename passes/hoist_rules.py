@@ -1,0 +1,377 @@
+"""Transfer rules for hoisting a row gather upstream through one aten op.
+
+A rule answers: to compute ``node[rows]`` (rows selected on ``layout``), which rows of which inputs
+are needed? Each tensor input is either row-aligned (gathered on a layout of its own) or needed
+whole (weights, broadcast operands, attention K/V). An op without a rule stops the hoist.
+
+Invariants:
+- A rule never claims row-alignment it cannot show from shapes: sizes are compared as sympy
+  expressions, and any argument that depends on the row count in a way the rule cannot rewrite
+  stops the hoist.
+- Rules only describe; the rewrite (passes/cut_graph.py) applies ``size_rewrites`` and
+  ``set_query_rows`` to nodes that join the reduced region.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import sympy
+import torch
+from torch.fx import Node
+
+from fx_fastprefill.attention_op import ATTENTION_OP, K, KV_WRITTEN, Q, QUERY_ROWS, V
+
+from .token_layout import Layout, depends_on, map_view_layout, shape_exprs
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+Path = tuple  # ("args", i) or ("args", i, j) or ("kwargs", name)
+
+
+@dataclass
+class Requirement:
+    path: Path
+    node: Node
+    layout: Layout | None  # None: needed whole
+
+
+@dataclass
+class RuleResult:
+    requirements: list[Requirement] = field(default_factory=list)
+    size_rewrites: dict[Path, Any] = field(default_factory=dict)
+    set_query_rows: bool = False
+
+
+RuleFn = Callable[[Node, Layout, sympy.Symbol], "RuleResult | str"]
+RULES: dict[Any, RuleFn] = {}
+
+
+def rule(*targets):
+    def register(fn: RuleFn) -> RuleFn:
+        for target in targets:
+            RULES[target] = fn
+        return fn
+    return register
+
+
+def _shape(node: Node) -> list[sympy.Expr]:
+    return shape_exprs(node.meta.get("val")) or []
+
+
+def _norm_dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+def tensor_args(node: Node):
+    """(path, node) of every tensor-valued FX node among the arguments."""
+    for i, arg in enumerate(node.args):
+        if isinstance(arg, Node):
+            yield ("args", i), arg
+        elif isinstance(arg, (list, tuple)):
+            for j, item in enumerate(arg):
+                if isinstance(item, Node):
+                    yield ("args", i, j), item
+    for name, arg in node.kwargs.items():
+        if isinstance(arg, Node):
+            yield ("kwargs", name), arg
+
+
+def _is_tensor(node: Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _symint_uses_rows(node: Node, rows: sympy.Symbol) -> str | None:
+    for path, arg in tensor_args(node):
+        if not _is_tensor(arg) and depends_on(arg, rows):
+            return f"argument {path[1:]} is a size computed from the token count"
+    return None
+
+
+def _broadcast_requirement(path, arg: Node, out_shape, layout: Layout) -> Requirement | str:
+    """Elementwise operand: aligned from the right, row-aligned or broadcast (needed whole)."""
+    shape = _shape(arg)
+    axis = layout.axis - (len(out_shape) - len(shape))
+    if axis < 0 or (shape[axis] == 1 and out_shape[layout.axis] != 1):
+        return Requirement(path, arg, None)
+    if sympy.simplify(shape[axis] - out_shape[layout.axis]) != 0:
+        return f"operand {path[1:]} has {shape[axis]} rows on the token dim, output has {out_shape[layout.axis]}"
+    return Requirement(path, arg, Layout(axis, layout.inner))
+
+
+def _elementwise(node: Node, layout: Layout, rows) -> RuleResult | str:
+    reason = _symint_uses_rows(node, rows)
+    if reason:
+        return reason
+    out_shape = _shape(node)
+    result = RuleResult()
+    for path, arg in tensor_args(node):
+        if not _is_tensor(arg):
+            continue
+        req = _broadcast_requirement(path, arg, out_shape, layout)
+        if isinstance(req, str):
+            return req
+        result.requirements.append(req)
+    return result
+
+
+# Ops that are elementwise but carry no pointwise tag.
+EXTRA_ELEMENTWISE = {
+    prims.convert_element_type.default, aten.clone.default, aten._to_copy.default, aten.alias.default,
+    aten.detach.default, aten.lift_fresh_copy.default, aten.copy.default, aten.where.self,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.zeros_like.default, aten.ones_like.default,
+    aten.full_like.default, aten.empty_like.default, aten.fill.Scalar, aten.clamp.default,
+}
+
+
+def lookup_rule(node: Node) -> RuleFn | None:
+    target = node.target
+    if target in RULES:
+        return RULES[target]
+    if isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.pointwise in target.tags or target in EXTRA_ELEMENTWISE
+    ):
+        return _elementwise
+    return None
+
+
+@rule(aten.mm.default)
+def _mm(node, layout, rows):
+    x, w = node.args
+    if layout.axis == 0:
+        return RuleResult([Requirement(("args", 0), x, layout), Requirement(("args", 1), w, None)])
+    return RuleResult([Requirement(("args", 0), x, None), Requirement(("args", 1), w, layout)])
+
+
+@rule(aten.addmm.default)
+def _addmm(node, layout, rows):
+    if node.kwargs:
+        return "addmm with beta/alpha"
+    bias, x, w = node.args
+    req = _broadcast_requirement(("args", 0), bias, _shape(node), layout)
+    if isinstance(req, str):
+        return req
+    if layout.axis == 0:
+        return RuleResult([req, Requirement(("args", 1), x, layout), Requirement(("args", 2), w, None)])
+    return RuleResult([req, Requirement(("args", 1), x, None), Requirement(("args", 2), w, layout)])
+
+
+@rule(aten.bmm.default)
+def _bmm(node, layout, rows):
+    x, y = node.args
+    if layout.axis == 0:
+        if layout.inner != 1:
+            return "bmm with rows merged into the batch dim"
+        return RuleResult([Requirement(("args", 0), x, layout), Requirement(("args", 1), y, layout)])
+    if layout.axis == 1:
+        return RuleResult([Requirement(("args", 0), x, layout), Requirement(("args", 1), y, None)])
+    return RuleResult([Requirement(("args", 0), x, None), Requirement(("args", 1), y, layout)])
+
+
+def _rewrite_size_list(node: Node, arg_index: int, layout: Layout, rows) -> dict | str:
+    """Sizes that depend on the token count become -1 (inferred); only the token dim may."""
+    sizes = list(node.args[arg_index])
+    rewrites = {}
+    for i, size in enumerate(sizes):
+        uses_rows = depends_on(size, rows)
+        if i == layout.axis:
+            if uses_rows:
+                rewrites[("args", arg_index, i)] = -1
+            elif size != -1:
+                return f"size {i} of {node.target} is a constant on the token dim"
+        elif uses_rows:
+            return f"size {i} of {node.target} depends on the token count off the token dim"
+        elif size == -1:
+            return f"{node.target} infers a dim other than the token dim (-1 at {i})"
+    return rewrites
+
+
+@rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(node, layout, rows):
+    src = node.args[0]
+    in_layout = map_view_layout(_shape(node), layout, _shape(src), rows)
+    if in_layout is None:
+        return "a view that splits or merges the token dim with a dim before it"
+    rewrites = _rewrite_size_list(node, 1, layout, rows)
+    if isinstance(rewrites, str):
+        return rewrites
+    return RuleResult([Requirement(("args", 0), src, in_layout)], rewrites)
+
+
+@rule(aten.expand.default)
+def _expand(node, layout, rows):
+    src = node.args[0]
+    out_shape, shape = _shape(node), _shape(src)
+    axis = layout.axis - (len(out_shape) - len(shape))
+    if axis < 0 or sympy.simplify(shape[axis] - out_shape[layout.axis]) != 0:
+        return "expand creates the token dim"
+    rewrites = _rewrite_size_list(node, 1, layout, rows)
+    if isinstance(rewrites, str):
+        return rewrites
+    return RuleResult([Requirement(("args", 0), src, Layout(axis, layout.inner))], rewrites)
+
+
+@rule(aten.permute.default)
+def _permute(node, layout, rows):
+    src, dims = node.args
+    dims = [_norm_dim(d, len(dims)) for d in dims]
+    return RuleResult([Requirement(("args", 0), src, Layout(dims[layout.axis], layout.inner))])
+
+
+@rule(aten.transpose.int)
+def _transpose(node, layout, rows):
+    src, d0, d1 = node.args
+    rank = len(_shape(node))
+    d0, d1 = _norm_dim(d0, rank), _norm_dim(d1, rank)
+    axis = {d0: d1, d1: d0}.get(layout.axis, layout.axis)
+    return RuleResult([Requirement(("args", 0), src, Layout(axis, layout.inner))])
+
+
+@rule(aten.unsqueeze.default)
+def _unsqueeze(node, layout, rows):
+    src, dim = node.args
+    dim = _norm_dim(dim, len(_shape(node)))
+    if dim == layout.axis:
+        return "unsqueeze at the token dim"
+    return RuleResult([Requirement(("args", 0), src, Layout(layout.axis - (dim < layout.axis), layout.inner))])
+
+
+@rule(aten.squeeze.dim, aten.squeeze.dims)
+def _squeeze(node, layout, rows):
+    src = node.args[0]
+    in_shape = _shape(src)
+    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    removed = sorted({_norm_dim(d, len(in_shape)) for d in dims if in_shape[_norm_dim(d, len(in_shape))] == 1})
+    kept = [i for i in range(len(in_shape)) if i not in removed]
+    return RuleResult([Requirement(("args", 0), src, Layout(kept[layout.axis], layout.inner))])
+
+
+@rule(aten.select.int)
+def _select(node, layout, rows):
+    src, dim, _ = node.args
+    dim = _norm_dim(dim, len(_shape(src)))
+    axis = layout.axis + (dim <= layout.axis)
+    return RuleResult([Requirement(("args", 0), src, Layout(axis, layout.inner))])
+
+
+@rule(aten.slice.Tensor)
+def _slice(node, layout, rows):
+    src = node.args[0]
+    shape = _shape(src)
+    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
+    start = node.args[2] if len(node.args) > 2 else None
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    if dim == layout.axis:
+        whole = start in (None, 0) and step == 1 and (end is None or (isinstance(end, int) and end >= 2**62))
+        if not whole:
+            return "a slice of the token dim"
+    elif any(depends_on(a, rows) for a in (start, end)):
+        return "slice bounds depend on the token count"
+    return RuleResult([Requirement(("args", 0), src, layout)])
+
+
+@rule(aten.cat.default)
+def _cat(node, layout, rows):
+    tensors = node.args[0]
+    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(_shape(node)))
+    if dim == layout.axis:
+        return "cat along the token dim"
+    out_shape = _shape(node)
+    result = RuleResult()
+    for j, t in enumerate(tensors):
+        shape = _shape(t)
+        if len(shape) != len(out_shape):  # legacy empty tensor in cat
+            return "cat of tensors of different ranks"
+        result.requirements.append(Requirement(("args", 0, j), t, layout))
+    return result
+
+
+def _reduction(node, layout, rows, dims, keepdim):
+    src = node.args[0]
+    rank = len(_shape(src))
+    dims = list(range(rank)) if dims is None or dims == [] else [_norm_dim(d, rank) for d in dims]
+    kept = list(range(rank)) if keepdim else [i for i in range(rank) if i not in dims]
+    axis = kept[layout.axis]
+    if axis in dims:
+        return "a reduction over the token dim"
+    reason = _symint_uses_rows(node, rows)
+    if reason:
+        return reason
+    return RuleResult([Requirement(("args", 0), src, Layout(axis, layout.inner))])
+
+
+@rule(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.prod.dim_int)
+def _reduce_dims(node, layout, rows):
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if isinstance(dims, int):
+        dims = [dims]
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return _reduction(node, layout, rows, dims, keepdim)
+
+
+@rule(aten.var.correction, aten.var_mean.correction)
+def _var(node, layout, rows):
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return _reduction(node, layout, rows, dims, node.kwargs.get("keepdim", False))
+
+
+@rule(aten._softmax.default, aten._log_softmax.default)
+def _softmax(node, layout, rows):
+    src, dim = node.args[0], node.args[1]
+    if _norm_dim(dim, len(_shape(src))) == layout.axis:
+        return "softmax over the token dim"
+    return RuleResult([Requirement(("args", 0), src, layout)])
+
+
+@rule(aten.embedding.default)
+def _embedding(node, layout, rows):
+    weight, indices = node.args[0], node.args[1]
+    if layout.axis >= len(_shape(indices)):
+        return "embedding with rows on the feature dim"
+    return RuleResult([Requirement(("args", 0), weight, None), Requirement(("args", 1), indices, layout)])
+
+
+@rule(aten.index_select.default)
+def _index_select(node, layout, rows):
+    src, dim, index = node.args
+    if _norm_dim(dim, len(_shape(src))) == layout.axis:
+        return "index_select along the token dim"
+    return RuleResult([Requirement(("args", 0), src, layout), Requirement(("args", 2), index, None)])
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.native_layer_norm.default)
+def _multi_output(node, layout, rows):
+    src = node.args[0]
+    if node.target is not aten.native_layer_norm.default:
+        dim = node.args[2] if len(node.args) > 2 else 0
+        if _norm_dim(dim, len(_shape(src))) == layout.axis:
+            return "split along the token dim"
+        return RuleResult([Requirement(("args", 0), src, layout)])
+    result = RuleResult([Requirement(("args", 0), src, layout)])
+    for i in (2, 3):
+        if isinstance(node.args[i], Node):
+            result.requirements.append(Requirement(("args", i), node.args[i], None))
+    return result
+
+
+@rule(operator.getitem)
+def _getitem(node, layout, rows):
+    return RuleResult([Requirement(("args", 0), node.args[0], layout)])
+
+
+@rule(ATTENTION_OP)
+def _attention(node, layout, rows):
+    if layout.axis != 0 or layout.inner != 1:
+        return "attention output rows merged with another dim"
+    if node.args[QUERY_ROWS] is not None:
+        return "attention already runs on a subset of its queries"
+    if node.args[KV_WRITTEN] is None:
+        return "attention that writes its own cache (run passes/link_kv_sources.py first)"
+    result = RuleResult([Requirement(("args", Q), node.args[Q], layout)], set_query_rows=True)
+    for i in (K, V, KV_WRITTEN):
+        result.requirements.append(Requirement(("args", i), node.args[i], None))
+    return result

@@ -11,6 +11,9 @@ Invariants:
 
 from __future__ import annotations
 
+import operator
+
+import sympy
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
@@ -18,6 +21,7 @@ from torch.fx import GraphModule, Node
 from fx_fastprefill.attention_op import QUERY_ROWS
 
 from .gather_hoisting import HoistPlan
+from .hoist_rules import REDUCED_SIZE
 from .token_layout import Layout
 
 aten = torch.ops.aten
@@ -44,6 +48,45 @@ def _set_arg(node: Node, path: tuple, value) -> None:
         inner[where[1]] = value
         args[where[0]] = inner
     node.args = tuple(args)
+
+
+def _get_arg(node: Node, path: tuple):
+    kind, *where = path
+    if kind == "kwargs":
+        return node.kwargs[where[0]]
+    value = node.args[where[0]]
+    return value if len(where) == 1 else value[where[1]]
+
+
+class _ReducedSizes:
+    """Size arguments re-expressed in R: ``T * c`` becomes ``sym_size(logits_indices, 0) * c``,
+    computed once, the way the traced graph itself spells sizes."""
+
+    def __init__(self, gm: GraphModule, plan: HoistPlan):
+        self.gm, self.plan = gm, plan
+        self.nodes: dict = {}
+
+    def _node_for(self, factor, before: Node) -> Node:
+        graph = self.gm.graph
+        if factor not in self.nodes:
+            with graph.inserting_after(self.plan.index):
+                rows = self.nodes.get(1) or graph.call_function(torch.ops.aten.sym_size.int, (self.plan.index, 0))
+                rows.meta["val"] = self.plan.index.meta["val"].shape[0]
+                self.nodes[1] = rows
+            if factor != 1:
+                with graph.inserting_after(rows):
+                    scaled = graph.call_function(operator.mul, (rows, int(factor)))
+                scaled.meta["val"] = rows.meta["val"] * int(factor)
+                self.nodes[factor] = scaled
+        return self.nodes[factor]
+
+    def __call__(self, node: Node, size) -> Node | int:
+        val = size.meta["val"] if isinstance(size, Node) else size
+        expr = val.node.expr if isinstance(val, torch.SymInt) else None
+        factor = sympy.simplify(expr / self.plan.rows) if expr is not None else None
+        if factor is None or not factor.is_Integer:
+            return -1  # inferred from the other sizes
+        return self._node_for(int(factor), node)
 
 
 def _insert_gather(gm: GraphModule, source: Node, layout: Layout, index: Node, before: Node) -> Node:
@@ -82,8 +125,11 @@ def cut_graph(gm: GraphModule, plan: HoistPlan) -> list[Node]:
             if user.op == "call_function" and any(user is s for s, _ in plan.seeds):
                 continue  # the model's own gather: replaced below
             _set_arg(user, path, gathered)
+    reduced_size = _ReducedSizes(gm, plan)
     for node, result in plan.rules.items():
         for path, value in result.size_rewrites.items():
+            if value == REDUCED_SIZE:
+                value = reduced_size(node, _get_arg(node, path))
             _set_arg(node, path, value)
         if result.set_query_rows:
             _set_arg(node, ("args", QUERY_ROWS), plan.index)

@@ -30,6 +30,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 Path = tuple  # ("args", i) or ("args", i, j) or ("kwargs", name)
+REDUCED_SIZE = "reduced_size"  # marker: this size argument is re-expressed in the reduced row count
 
 
 @dataclass
@@ -172,14 +173,15 @@ def _bmm(node, layout, rows):
 
 
 def _rewrite_size_list(node: Node, arg_index: int, layout: Layout, rows) -> dict | str:
-    """Sizes that depend on the token count become -1 (inferred); only the token dim may."""
+    """Sizes that depend on the token count get rewritten (cut_graph: T -> R in their expression);
+    only the token dim may depend on it."""
     sizes = list(node.args[arg_index])
     rewrites = {}
     for i, size in enumerate(sizes):
         uses_rows = depends_on(size, rows)
         if i == layout.axis:
             if uses_rows:
-                rewrites[("args", arg_index, i)] = -1
+                rewrites[("args", arg_index, i)] = REDUCED_SIZE
             elif size != -1:
                 return f"size {i} of {node.target} is a constant on the token dim"
         elif uses_rows:

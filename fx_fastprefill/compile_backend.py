@@ -14,6 +14,7 @@ import torch
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx import GraphModule, Node
 
+from .dynamic_shapes import exact_size_reasoning
 from .fallbacks import FallbackCounter
 from .fast_prefill_module import FastPrefillModule
 from .report import AttentionLayerInfo, FastPrefillReport, GatheredTensor, HoistStop
@@ -65,7 +66,7 @@ def _compile_region(gm: GraphModule, example_inputs: Sequence, compiler: str):
     from torch._inductor.compile_fx import compile_fx_inner
     # Each region is its own Inductor graph: give it its own tracing context (Inductor records the
     # output strides of one graph per context).
-    with tracing(TracingContext(detect_fake_mode(list(example_inputs)))):
+    with tracing(TracingContext(detect_fake_mode(list(example_inputs)))), exact_size_reasoning():
         compiled = compile_fx_inner(gm, list(example_inputs), is_inference=True)
 
     def run_compiled(args: list) -> list:
@@ -175,7 +176,8 @@ def _compile_region_whole(gm: GraphModule, example_inputs, compiler: str):
     if compiler == "eager":
         return gm
     from torch._inductor.compile_fx import compile_fx_inner
-    return compile_fx_inner(gm, list(example_inputs), is_inference=True)
+    with exact_size_reasoning():
+        return compile_fx_inner(gm, list(example_inputs), is_inference=True)
 
 
 def backend(*, fast_prefill: bool = True, draft_layers: Iterable[str] = (), **options: Any) -> FastPrefillBackend:

@@ -27,6 +27,7 @@ from .token_layout import Layout
 aten = torch.ops.aten
 
 BOUNDARY_GATHER = "boundary_gather"
+REDUCED_SIZE_NODE = "reduced_size"  # sizes computed from logits_indices belong to the reduced region
 
 
 class CutError(Exception):
@@ -72,11 +73,13 @@ class _ReducedSizes:
             with graph.inserting_after(self.plan.index):
                 rows = self.nodes.get(1) or graph.call_function(torch.ops.aten.sym_size.int, (self.plan.index, 0))
                 rows.meta["val"] = self.plan.index.meta["val"].shape[0]
+                rows.meta["ffp_role"] = REDUCED_SIZE_NODE
                 self.nodes[1] = rows
             if factor != 1:
                 with graph.inserting_after(rows):
                     scaled = graph.call_function(operator.mul, (rows, int(factor)))
                 scaled.meta["val"] = rows.meta["val"] * int(factor)
+                scaled.meta["ffp_role"] = REDUCED_SIZE_NODE
                 self.nodes[factor] = scaled
         return self.nodes[factor]
 

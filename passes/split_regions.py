@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch.fx import Graph, GraphModule, Node
 
-from .cut_graph import BOUNDARY_GATHER, downstream
+from .cut_graph import BOUNDARY_GATHER, REDUCED_SIZE_NODE, downstream
 
 FULL, BOUNDARY, REDUCED = "full", "boundary", "reduced"
 
@@ -30,14 +30,14 @@ class Stage:
 
 def assign_regions(gm: GraphModule) -> dict[Node, str]:
     gathers = [n for n in gm.graph.nodes if n.meta.get("ffp_role") == BOUNDARY_GATHER]
-    reduced = downstream(gathers)
+    reduced = downstream(gathers + [n for n in gm.graph.nodes if n.meta.get("ffp_role") == REDUCED_SIZE_NODE])
     regions = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         if node.meta.get("ffp_role") == BOUNDARY_GATHER:
             regions[node] = BOUNDARY
-        elif node in reduced:
+        elif node in reduced or node.meta.get("ffp_role") == REDUCED_SIZE_NODE:
             regions[node] = REDUCED
         else:
             regions[node] = FULL

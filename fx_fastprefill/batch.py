@@ -71,12 +71,15 @@ def pad_to_bucket(n: int, buckets: Sequence[int]) -> int:
     return n
 
 
-def padded_indices(indices: list[int], buckets: Sequence[int], device) -> torch.Tensor:
+def padded_indices(indices: list[int], buckets: Sequence[int], device, num_tokens: int) -> torch.Tensor:
     """Pad logits rows up to a bucket size with the last valid row: padded rows are valid rows
-    whose results are discarded, so a reduced batch of any size reuses a captured shape."""
-    padded = pad_to_bucket(len(indices), buckets) if indices else 0
+    whose results are discarded, so a reduced batch of any size reuses a captured shape. With no
+    logits rows at all (R == 0) and buckets, the smallest bucket of the last token row is passed;
+    the step metadata says R == 0 and the reduced region is skipped."""
+    if not indices and not buckets:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    padded = pad_to_bucket(len(indices), buckets)
     out = torch.empty(padded, dtype=torch.int64)
-    if indices:
-        out[: len(indices)] = torch.tensor(indices, dtype=torch.int64)
-        out[len(indices):] = indices[-1]
+    out[: len(indices)] = torch.tensor(indices, dtype=torch.int64)
+    out[len(indices):] = indices[-1] if indices else num_tokens - 1
     return out.to(device)

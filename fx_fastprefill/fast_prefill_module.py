@@ -85,10 +85,10 @@ class FastPrefillModule:
         value = args[src.index]
         return int(value) if src.dim < 0 else value.shape[src.dim]
 
-    def _empty_output(self, node: Node, args: list) -> torch.Tensor:
+    def _empty_output(self, node: Node, args: list, rows: int) -> torch.Tensor:
         val = node.meta["val"]
         values = {sym: self._size(sym, args) for sym in self.sources}
-        values[self.reduced_rows] = 0
+        values[self.reduced_rows] = rows
         shape = [int(s.node.expr.subs(values)) if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
         return torch.empty(shape, dtype=val.dtype, device=args[self.placeholders.index(self.index)].device)
 
@@ -107,10 +107,11 @@ class FastPrefillModule:
         num_tokens = self._size(self.rows, shapes_args)
         step = current_step()
         reason = None
-        if index.shape[0] == 0:
+        if index.shape[0] == 0 or (step is not None and step.num_logits == 0):
+            # Padded rows of an R == 0 step are never read: the outputs keep their padded size.
             self._record(reasons.NO_LOGITS_ROWS)
             for node in self.stages["reduced"].outputs:
-                env[node] = self._empty_output(node, shapes_args)
+                env[node] = self._empty_output(node, shapes_args, index.shape[0])
         else:
             if step is None:
                 reason = reasons.NO_STEP_METADATA

@@ -34,7 +34,9 @@ def _vocab_size(model: nn.Module) -> int | None:
 
 
 def _power_of_two_buckets(limit: int) -> list[int]:
-    sizes, n = [], 1
+    # From 2: Dynamo specializes sizes 0 and 1, so R == 0 and R == 1 are padded to 2 and the
+    # one dynamic graph serves them (the real count travels in the step metadata).
+    sizes, n = [], 2
     while n < limit:
         sizes.append(n)
         n *= 2
@@ -174,7 +176,7 @@ class Runner:
         )
         input_ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(r.num_computed, r.num_computed + len(c.tokens)) for r, c in zip(requests, chunks)]).to(self.device)
-        indices = padded_indices(rows, self.logits_pad_sizes, self.device)
+        indices = padded_indices(rows, self.logits_pad_sizes, self.device, num_tokens=query_start[-1])
         with torch.no_grad(), step_context(meta), varying_sizes():
             logits = self._forward(input_ids, positions, indices)
         for request, chunk in zip(requests, chunks):

@@ -31,7 +31,7 @@ def _decompositions():
 
 def _clean_name(name: str) -> str:
     """Dynamo's placeholder names as module paths: L_self_modules_embed_parameters_weight_ -> embed.weight."""
-    name = re.sub(r"^L_(self_)?", "", name).rstrip("_")
+    name = re.sub(r"^[lL]_(self_)?", "", name).rstrip("_")
     name = re.sub(r"_(modules|parameters|buffers)_", ".", "_" + name).lstrip("_").lstrip(".")
     name = re.sub(r"^(modules|parameters|buffers)_", "", name)
     return name

@@ -56,7 +56,9 @@ def print_cut_graph(report) -> str:
     names: dict[Node, str] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            names[node] = report.placeholder_names.get(node, node.name)
+            val = node.meta.get("val")
+            names[node] = (f"size_{format_size(val, symbols)}" if isinstance(val, torch.SymInt)
+                           else report.placeholder_names.get(node, node.name))
         elif node.op == "get_attr":
             names[node] = f"const{sum(1 for n in names.values() if n.startswith('const'))}"
 

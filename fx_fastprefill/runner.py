@@ -87,8 +87,11 @@ class Runner:
         self.max_model_len = max_model_len
         self.vocab_size = _vocab_size(model)
         self.logits_pad_sizes = list(_power_of_two_buckets(max_num_tokens) if logits_pad_sizes is None else sorted(logits_pad_sizes))
-        self.kv_cache = KVCache(max_num_seqs, max_model_len, self.device, dtype)
         self.backend = self._resolve_backend(backend)
+        # A compiled model never sees one token: Dynamo specializes size 1, so a lone decode token is
+        # padded with a row of a padding request that owns a KV region of its own.
+        self.kv_cache = KVCache(max_num_seqs + (self.backend is not None), max_model_len, self.device, dtype)
+        self._padding = _Request(-1, [], 0, self.kv_cache.allocate_region()) if self.backend is not None else None
         self._forward: Callable = model if self.backend is None else compile_for_varying_sizes(model, self.backend)
         self._requests: dict[int, _Request] = {}
         self._next_seq_id = 0
@@ -161,6 +164,10 @@ class Runner:
 
     def _run(self, chunks: Sequence[SeqChunk], rows: list[int]) -> torch.Tensor:
         requests = [self._requests[c.seq_id] for c in chunks]
+        num_tokens = sum(len(c.tokens) for c in chunks)
+        if num_tokens == 1 and self._padding is not None:
+            chunks = list(chunks) + [SeqChunk(-1, [0], 0)]
+            requests = requests + [self._padding]
         query_start = [0]
         for chunk in chunks:
             query_start.append(query_start[-1] + len(chunk.tokens))
@@ -171,16 +178,17 @@ class Runner:
             slot_base=[r.slot_base for r in requests],
             kv_cache=self.kv_cache,
             num_logits=len(rows),
-            has_prefill=len(rows) < query_start[-1],
+            has_prefill=len(rows) < num_tokens,
             step_id=self._step_id,
         )
         input_ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(r.num_computed, r.num_computed + len(c.tokens)) for r, c in zip(requests, chunks)]).to(self.device)
-        indices = padded_indices(rows, self.logits_pad_sizes, self.device, num_tokens=query_start[-1])
+        indices = padded_indices(rows, self.logits_pad_sizes, self.device, num_tokens=num_tokens)
         with torch.no_grad(), step_context(meta), varying_sizes():
             logits = self._forward(input_ids, positions, indices)
         for request, chunk in zip(requests, chunks):
-            request.num_computed += len(chunk.tokens)
+            if request is not self._padding:  # padding rows rewrite position 0 of their own region
+                request.num_computed += len(chunk.tokens)
         self.steps_run += 1
         return logits[: len(rows)]
 

@@ -7,6 +7,7 @@ addresses, file paths or pass-internal names.
 
 from __future__ import annotations
 
+import sympy
 import torch
 from torch.fx import Node
 
@@ -20,7 +21,7 @@ def format_size(size, symbols: dict) -> str:
         for sym in sorted(expr.free_symbols, key=str):
             if sym not in symbols:
                 symbols[sym] = f"s{sum(1 for v in symbols.values() if v.startswith('s'))}"
-        return str(expr.subs({s: __import__("sympy").Symbol(n) for s, n in symbols.items()})).replace(" ", "")
+        return str(expr.subs({s: sympy.Symbol(n) for s, n in symbols.items()})).replace(" ", "")
     return str(int(size))
 
 

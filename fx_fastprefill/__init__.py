@@ -5,11 +5,29 @@ from __future__ import annotations
 import os as _os
 
 # In a source checkout the passes live in the top-level ``passes/`` folder; an installed package
-# has them as ``fx_fastprefill/passes`` (pyproject's package-dir). Make the checkout importable the
-# same way, so ``PYTHONPATH=.`` works without installing.
-_checkout_passes = _os.path.join(_os.path.dirname(_os.path.dirname(__file__)), "passes")
-if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "passes")) and _os.path.isdir(_checkout_passes):
-    __path__.append(_os.path.dirname(_checkout_passes))  # type: ignore[name-defined]  # noqa: F821
+# has them as ``fx_fastprefill/passes`` (pyproject's package-dir). Load the checkout's folder under
+# that name, so ``PYTHONPATH=.`` works without installing (and nothing else of the checkout
+# becomes part of the package).
+
+
+def _load_checkout_passes() -> None:
+    import importlib.util
+    import sys
+    here = _os.path.dirname(__file__)
+    init = _os.path.join(_os.path.dirname(here), "passes", "__init__.py")
+    if "fx_fastprefill.passes" in sys.modules or _os.path.isdir(_os.path.join(here, "passes")) or not _os.path.isfile(init):
+        return
+    spec = importlib.util.spec_from_file_location("fx_fastprefill.passes", init, submodule_search_locations=[_os.path.dirname(init)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fx_fastprefill.passes"] = module
+    spec.loader.exec_module(module)
+
+
+_load_checkout_passes()
+
+from .logs import configure_logging as _configure_logging  # noqa: E402
+
+_configure_logging()
 
 from .attention_op import attention  # noqa: E402
 from .batch import SeqChunk  # noqa: E402

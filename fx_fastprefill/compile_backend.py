@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -17,7 +16,8 @@ from torch.fx import GraphModule, Node
 from .dynamic_shapes import exact_size_reasoning
 from .fallbacks import FallbackCounter
 from .fast_prefill_module import FastPrefillModule
-from .report import AttentionLayerInfo, FastPrefillReport, GatheredTensor, HoistStop
+from .report import AttentionLayerInfo, FastPrefillReport
+from .report_builder import clean_name, gathered, hoist_stop, kv_consumers
 
 log = logging.getLogger("fx_fastprefill")
 
@@ -27,32 +27,6 @@ COMPILERS = ("inductor", "eager")
 def _decompositions():
     from torch._inductor.decomposition import select_decomp_table
     return select_decomp_table()
-
-
-def _clean_name(name: str) -> str:
-    """Dynamo's placeholder names as module paths: L_self_modules_embed_parameters_weight_ -> embed.weight."""
-    name = re.sub(r"^[lL]_(self_)?", "", name).rstrip("_")
-    name = re.sub(r"_(modules|parameters|buffers)_", ".", "_" + name).lstrip("_").lstrip(".")
-    name = re.sub(r"^(modules|parameters|buffers)_", "", name)
-    return name
-
-
-def source_line(node: Node) -> str:
-    """The innermost user frame of a node's stack trace: 'file:line in fn: code'."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
-    if not frames:
-        return ""
-    path, line, fn, code = frames[-1]
-    return f"{path.rsplit('/', 1)[-1]}:{line} in {fn}: {code.strip()}"
-
-
-def _module_path(node: Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return _clean_name(path.replace("L['self'].", "").replace("L__self___", "")) if path else ""
 
 
 def _compile_region(gm: GraphModule, example_inputs: Sequence, compiler: str):
@@ -96,7 +70,7 @@ class FastPrefillBackend:
         self._input_names: list[str] = []
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
-        self._input_names = [_clean_name(n.name) for n in gm.graph.nodes if n.op == "placeholder"]
+        self._input_names = [clean_name(n.name) for n in gm.graph.nodes if n.op == "placeholder"]
         return aot_module_simplified(gm, example_inputs, fw_compiler=self._compile_aten,
                                      inference_compiler=self._compile_aten, decompositions=_decompositions())
 
@@ -134,8 +108,8 @@ class FastPrefillBackend:
             report.reason = str(e) if not report.reason else report.reason + "; " + str(e)
             return self._compile_unchanged(gm, example_inputs, report)
         report.flops_full = estimate_flops(gm, plan.rows, plan.reduced_rows, self.prompt_len)
-        for stop in plan.stops:
-            report.stops.append(HoistStop(self._describe(stop.node, report), str(stop.node.target), stop.reason, source_line(stop.node)))
+        feeds_kv = kv_consumers(gm)
+        report.stops = [hoist_stop(stop, report, feeds_kv) for stop in plan.stops]
         cut_graph(gm, plan)
         stages = split_regions(gm)
         compiled = {name: _compile_region(stage.module, [n.meta["val"] for n in stage.inputs], self.compiler)
@@ -146,30 +120,17 @@ class FastPrefillBackend:
         report.rows_symbol, report.reduced_rows_symbol = plan.rows, plan.reduced_rows
         report.cut = True
         report.reduced_layers = [a.layer for a in find_attention_nodes(gm.graph) if a.node in reduced_attention]
-        report.gathered = [self._gathered(node, report) for node in stages["boundary"].nodes if "ffp_source" in node.meta]
+        report.gathered = [gathered(node, report) for node in stages["boundary"].nodes if "ffp_source" in node.meta]
         report.flops_cut = estimate_flops(gm, plan.rows, plan.reduced_rows, self.prompt_len)
         report.flops_removed_fraction = 1.0 - report.flops_cut / report.flops_full if report.flops_full else 0.0
         report.graph = gm
-        log.info("fx_fastprefill: compiled a graph with %d attention layers\n%s", len(layers), report.summary())
+        log.info("compiled a graph with %d attention layers\n%s", len(layers), report.summary())
         return module
 
     def _compile_unchanged(self, gm: GraphModule, example_inputs, report: FastPrefillReport):
         report.graph = gm
-        log.info("fx_fastprefill: graph left unchanged: %s", report.reason)
+        log.info("graph left unchanged: %s", report.reason)
         return _compile_region_whole(gm, example_inputs, self.compiler)
-
-    def _describe(self, node: Node, report: FastPrefillReport) -> str:
-        if node.op == "placeholder":
-            return report.placeholder_names.get(node, node.name)
-        path = _module_path(node)
-        return f"{path}:{node.name}" if path else node.name
-
-    def _gathered(self, node: Node, report: FastPrefillReport) -> GatheredTensor:
-        from .graph_printer import format_shape
-        source = node.meta["ffp_source"]
-        symbols = {report.rows_symbol: "T", report.reduced_rows_symbol: "R"}
-        shape = f"{format_shape(source.meta['val'], symbols)} -> {format_shape(node.meta['val'], symbols)}"
-        return GatheredTensor(self._describe(source, report), shape, source_line(source))
 
 
 def _compile_region_whole(gm: GraphModule, example_inputs, compiler: str):

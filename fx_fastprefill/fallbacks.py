@@ -1,7 +1,7 @@
 """Counting and logging every time a step leaves the fast path, with its reason.
 
 A fallback is never silent: the first occurrence of each reason is logged at INFO on the
-``fx_fastprefill`` logger, and every occurrence is counted.
+``fx_fastprefill`` logger, later ones at DEBUG, and every occurrence is counted.
 """
 
 from __future__ import annotations
@@ -24,5 +24,7 @@ class FallbackCounter(Counter):
 
     def record(self, reason: str, where: str = "") -> None:
         if reason not in self:
-            log.info("fx_fastprefill%s: %s", f" [{where}]" if where else "", reason)
+            log.info("fallback%s: %s (logged once; counted in .fallbacks)", f" [{where}]" if where else "", reason)
+        else:
+            log.debug("fallback%s: %s (%d times so far)", f" [{where}]" if where else "", reason, self[reason] + 1)
         self[reason] += 1

@@ -77,8 +77,11 @@ class FastPrefillModule:
         return axes
 
     def _record(self, reason: str) -> None:
-        for counter in self.counters:
-            counter.record(reason)
+        # The first counter (the backend's) logs; the others (per report) only count.
+        first, *rest = self.counters
+        first.record(reason)
+        for counter in rest:
+            counter[reason] += 1
 
     def _size(self, symbol: sympy.Symbol, args: list) -> int:
         src = self.sources[symbol]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .fallbacks import FallbackCounter
@@ -20,10 +20,13 @@ class GatheredTensor:
 
 @dataclass
 class HoistStop:
+    """A tensor the gather could not move past: it is gathered at the boundary instead."""
     tensor: str
     op: str
     reason: str
     source_line: str = ""
+    needed_by: str = ""                      # the node that needs it with all rows
+    feeds_kv_of: list[str] = field(default_factory=list)  # layers whose K/V it feeds
 
 
 @dataclass
@@ -55,6 +58,49 @@ class FastPrefillReport:
     placeholder_names: dict = field(default_factory=dict, repr=False)
     rows_symbol: Any = field(default=None, repr=False)
     reduced_rows_symbol: Any = field(default=None, repr=False)
+
+    @property
+    def full_layers(self) -> list[str]:
+        reduced = set(self.reduced_layers)
+        return [a.layer for a in self.attention_layers if a.layer not in reduced]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything the summary and the explain command show, as plain JSON-able data."""
+        return {
+            "cut": self.cut,
+            "reason": self.reason,
+            "attention_layers": [asdict(a) for a in self.attention_layers],
+            "eligible_layers": list(self.eligible_layers),
+            "draft_layers": list(self.draft_layers),
+            "reduced_layers": list(self.reduced_layers),
+            "gathered": [asdict(g) for g in self.gathered],
+            "stops": [asdict(s) for s in self.stops],
+            "prompt_len": self.prompt_len,
+            "flops_full": self.flops_full,
+            "flops_cut": self.flops_cut,
+            "flops_removed_fraction": self.flops_removed_fraction,
+            "fallbacks": dict(self.fallbacks),
+        }
+
+    def explain(self) -> str:
+        """The summary, plus every layer with its K/V source and every place the hoist stopped."""
+        lines = [self.summary(), "", "attention layers in graph order:"]
+        reduced, eligible = set(self.reduced_layers), set(self.eligible_layers)
+        for a in self.attention_layers:
+            kv = f"reads the K/V of {a.kv_source}" if a.kv_source else "computes its own K/V"
+            window = f"sliding window {a.sliding_window}" if a.sliding_window else "full attention"
+            where = "reduced (queries on R rows)" if a.layer in reduced else "full (all T rows)"
+            marks = " [eligible]" if a.layer in eligible else ""
+            marks += " [draft]" if a.layer in self.draft_layers else ""
+            lines.append(f"  {a.layer}: {kv}, {window}; {where}{marks}")
+        if self.stops:
+            lines.append("where the hoist stopped (each such tensor is gathered at the boundary):")
+            for s in self.stops:
+                lines.append(f"  {s.tensor} ({s.op})")
+                lines.append(f"      why: {s.reason}")
+                if s.source_line:
+                    lines.append(f"      from: {s.source_line}")
+        return "\n".join(lines)
 
     def summary(self) -> str:
         lines = []

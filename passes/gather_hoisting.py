@@ -37,6 +37,7 @@ class Stop:
     node: Node
     layout: Layout
     reason: str
+    blocker: Node | None = None  # the node that needs it with all rows, where there is one
 
 
 @dataclass
@@ -141,7 +142,7 @@ def analyze(gm: GraphModule) -> HoistPlan:
     seeds, index, rows, reduced = find_seeds(gm)
     plan = HoistPlan(rows, reduced, index, seeds)
     requested: dict[Node, dict[Layout, list]] = defaultdict(lambda: defaultdict(list))
-    needed_whole: dict[Node, str] = {}
+    needed_whole: dict[Node, tuple[str, Node]] = {}
     seed_nodes = {s for s, _ in seeds}
     outputs = _output_nodes(gm)
     for seed, layout in seeds:
@@ -152,16 +153,16 @@ def analyze(gm: GraphModule) -> HoistPlan:
         if node not in requested or node in seed_nodes:
             continue
         layouts = requested[node]
-        reason = None
+        reason, blocker = None, None
         outside = [u for u in node.users if u not in plan.region and u not in seed_nodes]
         if node.op != "call_function":
             reason = "a graph input"
         elif node in outputs:
             reason = "a graph output"
         elif node in needed_whole:
-            reason = needed_whole[node]
+            reason, blocker = needed_whole[node]
         elif outside:
-            reason = f"also needed for all rows by {outside[0].name} ({outside[0].target})"
+            reason, blocker = f"also needed for all rows by {outside[0].name} ({outside[0].target})", outside[0]
         elif len(layouts) > 1:
             reason = "needed with rows on two different dims"
         else:
@@ -173,13 +174,13 @@ def analyze(gm: GraphModule) -> HoistPlan:
         if reason is not None:
             for layout, users in layouts.items():
                 plan.boundary[(node, layout)] = users
-                plan.stops.append(Stop(node, layout, reason))
+                plan.stops.append(Stop(node, layout, reason, blocker))
             continue
         plan.region[node] = layout
         plan.rules[node] = result
         for req in result.requirements:
             if req.layout is None:
-                needed_whole.setdefault(req.node, f"needed whole by {node.name} ({node.target})")
+                needed_whole.setdefault(req.node, (f"needed whole by {node.name} ({node.target})", node))
             else:
                 requested[req.node][req.layout].append((node, req.path))
     return plan

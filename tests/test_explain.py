@@ -1,6 +1,5 @@
 """The explain command on every example: text, JSON, the picture, bad arguments, logging."""
 
-import functools
 import json
 import logging
 import os
@@ -31,9 +30,16 @@ EXPECTED = {
 def compile_each_example_once():
     """The command runs end to end; only the compile itself is shared between its calls on one example."""
     original = explain.compile_and_report
-    cached = functools.lru_cache(maxsize=None)(
-        lambda model_type, prompt_len, model: original(model, prompt_len=prompt_len))
-    explain.compile_and_report = lambda model, *, prompt_len=2048, **kw: cached(type(model), prompt_len, model)
+    reports = {}
+
+    def compile_once_per_example(model, *, prompt_len=2048, **kw):
+        # Keyed on the model's class: each factory call builds a new model of the same structure.
+        key = (type(model), prompt_len, tuple(sorted(kw.items())))
+        if key not in reports:
+            reports[key] = original(model, prompt_len=prompt_len, **kw)
+        return reports[key]
+
+    explain.compile_and_report = compile_once_per_example
     yield
     explain.compile_and_report = original
 

@@ -30,6 +30,7 @@ from .logs import configure_logging as _configure_logging  # noqa: E402
 _configure_logging()
 
 from .attention_op import attention  # noqa: E402
+from . import sdpa_op as _sdpa_op  # noqa: E402,F401  (registers fx_fastprefill::sdpa)
 from .batch import SeqChunk  # noqa: E402
 from .kv_cache import KVCache  # noqa: E402
 from .runner import Runner  # noqa: E402

@@ -70,7 +70,10 @@ class FastPrefillBackend:
         self._input_names: list[str] = []
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
+        from fx_fastprefill.passes.capture_sdpa import capture_sdpa
         self._input_names = [clean_name(n.name) for n in gm.graph.nodes if n.op == "placeholder"]
+        if self.fast_prefill:
+            capture_sdpa(gm)
         return aot_module_simplified(gm, example_inputs, fw_compiler=self._compile_aten,
                                      inference_compiler=self._compile_aten, decompositions=_decompositions())
 
@@ -90,7 +93,7 @@ class FastPrefillBackend:
         layers = link_kv_sources(gm)
         report = FastPrefillReport(
             cut=False,
-            attention_layers=[AttentionLayerInfo(a.layer, a.kv_source, a.sliding_window) for a in layers],
+            attention_layers=[AttentionLayerInfo(a.layer, a.kv_source, a.sliding_window, a.masked) for a in layers],
             eligible_layers=eligible_layers(layers, self.draft_layers, self.fast_prefill),
             draft_layers=[a.layer for a in layers if a.layer in self.draft_layers],
             prompt_len=self.prompt_len,
@@ -101,7 +104,7 @@ class FastPrefillBackend:
             report.reason = "fast_prefill=False"
             return self._compile_unchanged(gm, example_inputs, report)
         if not layers:
-            report.reason = "the graph has no fx_fastprefill.attention call"
+            report.reason = "the graph has no attention the pass knows (fx_fastprefill.attention, or SDPA in a transformers model)"
         try:
             plan = analyze(gm)
         except NoCut as e:
@@ -110,12 +113,19 @@ class FastPrefillBackend:
         report.flops_full = estimate_flops(gm, plan.rows, plan.reduced_rows, self.prompt_len)
         feeds_kv = kv_consumers(gm)
         report.stops = [hoist_stop(stop, report, feeds_kv) for stop in plan.stops]
+        if not plan.reduced_attention:
+            first = report.stops[0] if report.stops else None
+            hint = (" (hidden states or attentions asked for as outputs keep every row)"
+                    if first is not None and first.reason == "a graph output" else "")
+            report.reason = report.reason or ("the hoist stopped before any attention layer" +
+                                              (f": {first.tensor} ({first.op}): {first.reason}" if first else "") + hint)
+            return self._compile_unchanged(gm, example_inputs, report)
         cut_graph(gm, plan)
         stages = split_regions(gm)
         compiled = {name: _compile_region(stage.module, [n.meta["val"] for n in stage.inputs], self.compiler)
                     for name, stage in stages.items() if stage.module is not None}
         module = FastPrefillModule(gm, stages, compiled, plan.index, plan.rows, plan.reduced_rows,
-                                   self.fallbacks, report.fallbacks)
+                                   self.fallbacks, report.fallbacks, suffix=plan.suffix is not None)
         reduced_attention = set(plan.reduced_attention)
         report.rows_symbol, report.reduced_rows_symbol = plan.rows, plan.reduced_rows
         report.cut = True

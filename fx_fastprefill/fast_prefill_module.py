@@ -7,6 +7,9 @@ Per step (the seed's FastPrefillHelper, made explicit):
   at the end, which computes exactly what the model without the pass computes. Each is counted
   and logged with its reason.
 - otherwise the boundary tensors are gathered and the reduced region runs on R rows.
+
+A suffix selection (transformers' ``logits_to_keep``: the last k rows of every sequence) needs no
+per-step metadata and has no gate: every call gathers and runs the reduced region.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ class FastPrefillModule:
     _boxed_call = True
 
     def __init__(self, gm: GraphModule, stages: dict, compiled: dict[str, RegionFn], index: Node,
-                 rows: sympy.Symbol, reduced_rows: sympy.Symbol, counter: FallbackCounter,
-                 graph_counter: FallbackCounter):
+                 rows: sympy.Symbol, reduced_rows: sympy.Expr, counter: FallbackCounter,
+                 graph_counter: FallbackCounter, suffix: bool = False):
         self.gm = gm
         self.stages = stages
         self.compiled = compiled
@@ -50,7 +53,8 @@ class FastPrefillModule:
         self.rows, self.reduced_rows = rows, reduced_rows
         if rows not in self.sources:
             raise ValueError("the token count is not the size of any graph input")
-        self.row_axes = self._reduced_output_axes()
+        self.suffix = suffix
+        self.row_axes = {} if suffix else self._reduced_output_axes()
 
     def _size_sources(self) -> dict[sympy.Symbol, SizeSource]:
         sources = {}
@@ -106,6 +110,10 @@ class FastPrefillModule:
         shapes_args = list(args)
         args.clear()  # boxed calling convention: let inputs die early
         self._run_stage("full", env)
+        if self.suffix:
+            self._run_gathers(env)
+            self._run_stage("reduced", env)
+            return [env[a] if isinstance(a, Node) else a for a in self.output_args]
         index = env[self.index]
         num_tokens = self._size(self.rows, shapes_args)
         step = current_step()

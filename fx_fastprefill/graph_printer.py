@@ -52,7 +52,8 @@ def print_cut_graph(report) -> str:
     symbols: dict = {}
     if getattr(report, "rows_symbol", None) is not None:
         symbols[report.rows_symbol] = "T"
-        symbols[report.reduced_rows_symbol] = "R"
+        if isinstance(report.reduced_rows_symbol, sympy.Symbol):  # a static suffix has no symbol
+            symbols[report.reduced_rows_symbol] = "R"
     regions = assign_regions(gm) if report.cut else {}
     names: dict[Node, str] = {}
     for node in gm.graph.nodes:

@@ -34,6 +34,7 @@ class AttentionLayerInfo:
     layer: str
     kv_source: str | None
     sliding_window: int | None
+    masked: bool = False  # attends under the model's own mask (transformers models)
 
 
 @dataclass
@@ -88,7 +89,8 @@ class FastPrefillReport:
         reduced, eligible = set(self.reduced_layers), set(self.eligible_layers)
         for a in self.attention_layers:
             kv = f"reads the K/V of {a.kv_source}" if a.kv_source else "computes its own K/V"
-            window = f"sliding window {a.sliding_window}" if a.sliding_window else "full attention"
+            window = (f"sliding window {a.sliding_window}" if a.sliding_window else
+                      "causal, under the model's attention mask" if a.masked else "full attention")
             where = "reduced (queries on R rows)" if a.layer in reduced else "full (all T rows)"
             marks = " [eligible]" if a.layer in eligible else ""
             marks += " [draft]" if a.layer in self.draft_layers else ""

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import re
 
+import sympy
+
 from torch.fx import GraphModule, Node
 
 from fx_fastprefill.attention_op import ATTENTION_OP, K, KV_SOURCE, LAYER, V, WRITE_KV_OP
+from fx_fastprefill.passes.attention_nodes import find_attention_nodes
+from fx_fastprefill.sdpa_op import SDPA_K, SDPA_LAYER, SDPA_OP, SDPA_V
 
 from .report import FastPrefillReport, GatheredTensor, HoistStop
 
@@ -62,14 +66,18 @@ def describe(node: Node, report: FastPrefillReport) -> str:
 def kv_consumers(gm: GraphModule) -> dict[Node, list[str]]:
     """For every node, the layers whose own K/V (the values written to the KV cache) it feeds."""
     feeds: dict[Node, list[str]] = {}
+    sdpa_owners = {a.node for a in find_attention_nodes(gm.graph) if a.node.target is SDPA_OP and not a.shares_kv}
     for node in gm.graph.nodes:
         is_write = node.op == "call_function" and node.target is WRITE_KV_OP
         owns_kv = node.op == "call_function" and node.target is ATTENTION_OP and node.args[KV_SOURCE] is None
-        if not (is_write or owns_kv):
+        if is_write or owns_kv:
+            layer = node.args[2] if is_write else node.args[LAYER]
+            stack = [a for a in (node.args[0], node.args[1]) if isinstance(a, Node)] if is_write else \
+                [a for a in (node.args[K], node.args[V]) if isinstance(a, Node)]
+        elif node in sdpa_owners:
+            layer, stack = node.args[SDPA_LAYER], [node.args[SDPA_K], node.args[SDPA_V]]
+        else:
             continue
-        layer = node.args[2] if is_write else node.args[LAYER]
-        stack = [a for a in (node.args[0], node.args[1]) if isinstance(a, Node)] if is_write else \
-            [a for a in (node.args[K], node.args[V]) if isinstance(a, Node)]
         seen: set[Node] = set()
         while stack:
             n = stack.pop()
@@ -101,6 +109,8 @@ def hoist_stop(stop, report: FastPrefillReport, feeds_kv: dict[Node, list[str]])
 def gathered(node: Node, report: FastPrefillReport) -> GatheredTensor:
     from .graph_printer import format_shape
     source = node.meta["ffp_source"]
-    symbols = {report.rows_symbol: "T", report.reduced_rows_symbol: "R"}
+    symbols = {report.rows_symbol: "T"}
+    if isinstance(report.reduced_rows_symbol, sympy.Symbol):  # a static suffix has no symbol
+        symbols[report.reduced_rows_symbol] = "R"
     shape = f"{format_shape(source.meta['val'], symbols)} -> {format_shape(node.meta['val'], symbols)}"
     return GatheredTensor(describe(source, report), shape, source_line(source))

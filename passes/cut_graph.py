@@ -1,8 +1,9 @@
 """Apply a hoisting plan: gather the boundary tensors, run the region on the gathered rows.
 
 Invariants:
-- One gather per (boundary tensor, layout), placed just before its first reader, reading the
-  ``logits_indices`` graph input; each one is tagged ``meta["ffp_role"] = "boundary_gather"``.
+- One gather per (boundary tensor, layout), placed just before its first reader: an
+  ``index_select`` by the ``logits_indices`` graph input, or for a suffix selection a slice of the
+  last ``k`` rows; each one (and the sizes it needs) is tagged ``meta["ffp_role"] = "boundary_gather"``.
 - Region nodes keep their identity and ops; only their inputs, token-dim sizes (-1, inferred) and,
   for attention, ``query_rows`` (the query-subset form) change.
 - The model's own gathers disappear: their users read the reduced value directly.
@@ -22,7 +23,7 @@ from fx_fastprefill.attention_op import QUERY_ROWS
 
 from .gather_hoisting import HoistPlan
 from .hoist_rules import REDUCED_SIZE
-from .token_layout import Layout
+from .token_layout import Layout, shape_exprs
 
 aten = torch.ops.aten
 
@@ -59,15 +60,67 @@ def _get_arg(node: Node, path: tuple):
     return value if len(where) == 1 else value[where[1]]
 
 
-class _ReducedSizes:
-    """Size arguments re-expressed in R: ``T * c`` becomes ``sym_size(logits_indices, 0) * c``,
-    computed once, the way the traced graph itself spells sizes."""
+class _SizeNodes:
+    """Sizes as graph values: integers stay ints, symbols are read off a graph input
+    (``sym_size``), products and sums become ``operator`` nodes; each tagged with ``role``."""
 
-    def __init__(self, gm: GraphModule, plan: HoistPlan):
-        self.gm, self.plan = gm, plan
+    def __init__(self, gm: GraphModule):
+        self.gm = gm
+        self.sources: dict[sympy.Symbol, tuple[Node, int | None]] = {}
+        for node in gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            val = node.meta.get("val")
+            if isinstance(val, torch.SymInt) and isinstance(val.node.expr, sympy.Symbol):
+                self.sources.setdefault(val.node.expr, (node, None))
+            elif isinstance(val, torch.Tensor):
+                for d, size in enumerate(val.shape):
+                    if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                        self.sources.setdefault(size.node.expr, (node, d))
+
+    def __call__(self, expr: sympy.Expr, before: Node, role: str):
+        expr = sympy.expand(expr)
+        if expr.is_Integer:
+            return int(expr)
+        graph = self.gm.graph
+        with graph.inserting_before(before):
+            if expr.is_Symbol:
+                if expr not in self.sources:
+                    raise CutError(f"size {expr} is not the size of any graph input")
+                node, dim = self.sources[expr]
+                if dim is None:
+                    return node
+                out = graph.call_function(aten.sym_size.int, (node, dim))
+                out.meta["val"] = node.meta["val"].shape[dim]
+            elif expr.is_Mul or expr.is_Add:
+                fn = operator.mul if expr.is_Mul else operator.add
+                terms = [self(t, before, role) for t in expr.args]
+                out = terms[0]
+                for term in terms[1:]:
+                    with graph.inserting_before(before):
+                        out = graph.call_function(fn, (out, term))
+                    value = [t.meta["val"] if isinstance(t, Node) else t for t in out.args]
+                    out.meta["val"] = fn(*value)
+                    out.meta["ffp_role"] = role
+                return out
+            else:
+                raise CutError(f"size {expr} cannot be computed in the graph")
+        out.meta["ffp_role"] = role
+        return out
+
+
+class _ReducedSizes:
+    """Size arguments re-expressed in R: ``T * c`` becomes ``R * c``, where R is
+    ``sym_size(logits_indices, 0)`` (computed once, the way the traced graph spells sizes) or the
+    ``k`` of a suffix selection; other sizes on the token dim are inferred (-1)."""
+
+    def __init__(self, gm: GraphModule, plan: HoistPlan, sizes: _SizeNodes):
+        self.gm, self.plan, self.sizes = gm, plan, sizes
         self.nodes: dict = {}
 
-    def _node_for(self, factor, before: Node) -> Node:
+    def _node_for(self, factor, before: Node) -> Node | int:
+        if self.plan.index is None:
+            return self.sizes(self.plan.reduced_rows * factor, before, REDUCED_SIZE_NODE)
         graph = self.gm.graph
         if factor not in self.nodes:
             with graph.inserting_after(self.plan.index):
@@ -92,24 +145,42 @@ class _ReducedSizes:
         return self._node_for(int(factor), node)
 
 
-def _insert_gather(gm: GraphModule, source: Node, layout: Layout, index: Node, before: Node) -> Node:
+def _insert_gather(gm: GraphModule, plan: HoistPlan, source: Node, layout: Layout, before: Node,
+                   sizes: _SizeNodes) -> Node:
     graph = gm.graph
-    with graph.inserting_before(before):
-        if layout.inner == 1:
-            gathered = graph.call_function(aten.index_select.default, (source, layout.axis, index))
+    shape = shape_exprs(source.meta["val"])
+    axis = layout.axis
+    if not layout.plain:
+        # [..., outer * rows * inner, ...] -> [..., outer, rows, inner, ...]: rows on their own dim
+        # (without the outer dim when there is none).
+        pre = [sizes(e, before, BOUNDARY_GATHER) for e in shape[:axis]]
+        post = [sizes(e, before, BOUNDARY_GATHER) for e in shape[axis + 1:]]
+        inner = sizes(layout.inner, before, BOUNDARY_GATHER)
+        if layout.outer == 1:
+            split = pre + [-1, inner] + post
         else:
-            shape = list(source.meta["val"].shape)
-            if not isinstance(layout.inner, int) and not layout.inner.is_Integer:
-                raise CutError(f"{source.name}: rows merged with a dynamic dim cannot be gathered")
-            if any(isinstance(s, torch.SymInt) for i, s in enumerate(shape) if i != layout.axis):
-                raise CutError(f"{source.name}: rows merged with other dims of a dynamic tensor cannot be gathered")
-            inner = int(layout.inner)
-            split = shape[: layout.axis] + [-1, inner] + shape[layout.axis + 1:]
-            merged = shape[: layout.axis] + [-1] + shape[layout.axis + 1:]
+            split = pre + [-1, sizes(plan.rows, before, BOUNDARY_GATHER), inner] + post
+        merged = pre + [-1] + post
+        with graph.inserting_before(before):
             blocks = graph.call_function(aten.reshape.default, (source, split))
-            picked = graph.call_function(aten.index_select.default, (blocks, layout.axis, index))
+        blocks.meta["ffp_role"] = BOUNDARY_GATHER
+        source_view, axis = blocks, axis + (layout.outer != 1)
+    else:
+        source_view = source
+    with graph.inserting_before(before):
+        if plan.suffix is None:
+            picked = graph.call_function(aten.index_select.default, (source_view, axis, plan.index))
+        elif isinstance(plan.suffix, int):
+            picked = graph.call_function(aten.slice.Tensor, (source_view, axis, -plan.suffix, 2**63 - 1))
+        else:
+            start = graph.call_function(operator.neg, (plan.suffix,))
+            start.meta["val"] = -plan.suffix.meta["val"]
+            start.meta["ffp_role"] = BOUNDARY_GATHER
+            picked = graph.call_function(aten.slice.Tensor, (source_view, axis, start, 2**63 - 1))
+        gathered = picked
+        if not layout.plain:
+            picked.meta["ffp_role"] = BOUNDARY_GATHER
             gathered = graph.call_function(aten.reshape.default, (picked, merged))
-            blocks.meta["ffp_role"] = picked.meta["ffp_role"] = BOUNDARY_GATHER
     gathered.meta["ffp_role"] = BOUNDARY_GATHER
     gathered.meta["ffp_source"] = source
     gathered.meta["ffp_layout"] = layout
@@ -119,18 +190,19 @@ def _insert_gather(gm: GraphModule, source: Node, layout: Layout, index: Node, b
 def cut_graph(gm: GraphModule, plan: HoistPlan) -> list[Node]:
     """Rewrite ``gm`` in place; returns the boundary gather nodes."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    sizes = _SizeNodes(gm)
     gathers = []
     for (source, layout), users in plan.boundary.items():
         first_user = min((u for u, _ in users), key=order.__getitem__)
-        gathered = _insert_gather(gm, source, layout, plan.index, first_user)
+        gathered = _insert_gather(gm, plan, source, layout, first_user, sizes)
         gathers.append(gathered)
         for user, path in users:
             if user.op == "call_function" and any(user is s for s, _ in plan.seeds):
                 continue  # the model's own gather: replaced below
             _set_arg(user, path, gathered)
-    reduced_size = _ReducedSizes(gm, plan)
+    reduced_size = _ReducedSizes(gm, plan, sizes)
     for node, result in plan.rules.items():
-        for path, value in result.size_rewrites.items():
+        for path, value in result.arg_rewrites.items():
             if value == REDUCED_SIZE:
                 value = reduced_size(node, _get_arg(node, path))
             _set_arg(node, path, value)
@@ -145,7 +217,8 @@ def cut_graph(gm: GraphModule, plan: HoistPlan) -> list[Node]:
         gm.graph.erase_node(seed)
     gm.graph.lint()
     gm.recompile()
-    refresh_fake_values(gm, gathers)
+    new_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and "val" not in n.meta]
+    refresh_fake_values(gm, gathers + new_nodes)
     return gathers
 
 

@@ -2,7 +2,8 @@
 
 Counts matrix products (mm, addmm, bmm) and attention; elementwise work is ignored. A causal
 attention call over all rows sees sum(min(p + 1, window)) keys; in its query-subset form each of
-its R queries (the last rows of the prompt) sees min(L, window) keys.
+its R queries (the last rows of the prompt) sees min(L, window) keys. An sdpa call (transformers
+models) keeps its window in the mask, so it is counted as causal over all keys.
 
 Invariants: reads only; evaluates sizes with T = prompt length, R = 1, any other symbol = 1.
 """
@@ -14,6 +15,7 @@ import torch
 from torch.fx import GraphModule
 
 from fx_fastprefill.attention_op import ATTENTION_OP, Q, QUERY_ROWS, SLIDING_WINDOW
+from fx_fastprefill.sdpa_op import SDPA_OP, SDPA_Q, SDPA_QUERY_SUFFIX
 
 from .token_layout import shape_exprs
 
@@ -26,7 +28,9 @@ def _evaluate(expr: sympy.Expr, values: dict) -> int:
 
 
 def estimate_flops(gm: GraphModule, rows: sympy.Symbol, reduced_rows: sympy.Symbol, prompt_len: int) -> float:
-    values = {rows: prompt_len, reduced_rows: 1}
+    values = {rows: prompt_len}
+    if isinstance(reduced_rows, sympy.Symbol):
+        values[reduced_rows] = 1  # a static suffix is already a number
     total = 0
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -45,4 +49,12 @@ def estimate_flops(gm: GraphModule, rows: sympy.Symbol, reduced_rows: sympy.Symb
             else:
                 keys = q[0] * min(prompt_len, window)
             total += 4 * q[1] * q[2] * keys
+        elif node.target is SDPA_OP:
+            # [B, H, Lq, D]; the window, if any, lives in the mask: counted as causal over all keys.
+            q = [_evaluate(e, values) for e in shape_exprs(node.args[SDPA_Q].meta["val"])]
+            batch_heads = 1
+            for size in q[:-2]:
+                batch_heads *= size
+            keys = q[-2] * prompt_len if node.args[SDPA_QUERY_SUFFIX] else prompt_len * (prompt_len + 1) // 2
+            total += 4 * batch_heads * q[-1] * keys
     return float(total)

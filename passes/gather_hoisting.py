@@ -1,10 +1,16 @@
 """Gather-hoisting analysis: how far upstream the logits-row gather can move.
 
-Starting from the model's own row gather (``hidden[logits_indices]``), walk the graph backwards in
+Starting from the model's own row selection, walk the graph backwards in
 reverse topological order. A node joins the reduced region when every user of it is already in the
 region (or is the gather) and asks for its rows on one and the same layout, and its op has a
 transfer rule (passes/hoist_rules.py). Where a node cannot join, the hoist stops there: if region
 users need its rows, it becomes a boundary tensor, gathered once per layout.
+
+The row selection is one of:
+- a gather by a graph input, ``hidden[logits_indices]`` (flat convention): any rows, chosen per step;
+- a slice of the last ``k`` rows of every sequence, ``hidden[:, -k:]`` (transformers'
+  ``logits_to_keep``): ``plan.suffix = k``. Only then may an ``sdpa`` node join the region, since
+  its query-subset form aligns the causal mask bottom-right, which is right for a suffix only.
 
 Invariants:
 - Sound by construction: a region node's every user is in the region, so nothing outside the
@@ -16,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -24,6 +31,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fx_fastprefill.attention_op import ATTENTION_OP
+from fx_fastprefill.sdpa_op import SDPA_OP
 
 from .hoist_rules import RuleResult, lookup_rule
 from .token_layout import Layout, shape_exprs
@@ -42,10 +50,11 @@ class Stop:
 
 @dataclass
 class HoistPlan:
-    rows: sympy.Symbol            # token count T
-    reduced_rows: sympy.Symbol    # logits-row count R
-    index: Node                   # the logits_indices graph input
+    rows: sympy.Symbol            # token count T (per sequence, for a suffix selection)
+    reduced_rows: sympy.Expr      # logits-row count R: a symbol, or k of a static suffix
+    index: Node | None            # the logits_indices graph input (None for a suffix selection)
     seeds: list[tuple[Node, Layout]]  # the model's own gathers and the layout they select on
+    suffix: int | Node | None = None  # k of a suffix selection: an int, or the graph input holding it
     region: dict[Node, Layout] = field(default_factory=dict)
     rules: dict[Node, RuleResult] = field(default_factory=dict)
     # (tensor, layout) -> the (user, argument path) pairs that read its gathered rows
@@ -54,7 +63,7 @@ class HoistPlan:
 
     @property
     def reduced_attention(self) -> list[Node]:
-        return [n for n in self.region if n.target is ATTENTION_OP]
+        return [n for n in self.region if n.target in (ATTENTION_OP, SDPA_OP)]
 
 
 class NoCut(Exception):
@@ -85,6 +94,13 @@ def _single_symbol(expr: sympy.Expr) -> sympy.Symbol | None:
     return expr if isinstance(expr, sympy.Symbol) else None
 
 
+NO_SELECTION = (
+    "no row selection to hoist: neither a gather by a graph input (hidden[logits_indices]) nor a slice of the "
+    "last rows (hidden[:, -k:], transformers' logits_to_keep) over a dynamic token dim. Logits for all rows were "
+    "asked for, or the shapes are static (compile with dynamic=True)"
+)
+
+
 def find_seeds(gm: GraphModule) -> tuple[list[tuple[Node, Layout]], Node, sympy.Symbol, sympy.Symbol]:
     """The model's row gathers by a graph input, all by the same index; raises NoCut otherwise."""
     candidates = []
@@ -102,7 +118,7 @@ def find_seeds(gm: GraphModule) -> tuple[list[tuple[Node, Layout]], Node, sympy.
             continue
         candidates.append((node, index, axis, rows, reduced))
     if not candidates:
-        raise NoCut("no row gather by a graph input (e.g. hidden[logits_indices]) over a dynamic token dim")
+        raise NoCut(NO_SELECTION)
     index = candidates[-1][1]
     chosen = [c for c in candidates if c[1] is index]
     rows, reduced = chosen[0][3], chosen[0][4]
@@ -114,6 +130,40 @@ def find_seeds(gm: GraphModule) -> tuple[list[tuple[Node, Layout]], Node, sympy.
     if any(c[3] != rows for c in chosen):
         raise NoCut("the model gathers rows of tensors with different token counts by the same index")
     return [(c[0], Layout(c[2])) for c in chosen], index, rows, reduced
+
+
+def _suffix_slice(node: Node) -> tuple[Layout, sympy.Symbol, int | Node] | None:
+    """(layout, rows, k) when ``node`` is ``x[..., -k:, ...]`` on a dim whose size is one symbol."""
+    if node.op != "call_function" or node.target is not aten.slice.Tensor:
+        return None
+    src = node.args[0]
+    shape = shape_exprs(src.meta.get("val"))
+    if not shape:
+        return None
+    args = list(node.args) + [None] * (5 - len(node.args))
+    dim = args[1] + len(shape) if args[1] < 0 else args[1]
+    start, end, step = args[2], args[3], args[4]
+    rows = _single_symbol(shape[dim])
+    if rows is None or step not in (None, 1) or not (end is None or (isinstance(end, int) and end >= 2**62)):
+        return None
+    if isinstance(start, int) and start < 0:
+        return Layout(dim), rows, -start
+    value = start.meta.get("val") if isinstance(start, Node) else None
+    if isinstance(value, torch.SymInt) and start.op == "call_function" and start.target is operator.neg:
+        count = start.args[0]
+        if isinstance(count, Node) and count.op == "placeholder":
+            return Layout(dim), rows, count
+    return None
+
+
+def find_suffix_seed(gm: GraphModule) -> tuple[Node, Layout, sympy.Symbol, int | Node] | None:
+    """The last slice of the last k rows over a dynamic token dim (transformers' logits_to_keep)."""
+    found = None
+    for node in gm.graph.nodes:
+        suffix = _suffix_slice(node)
+        if suffix is not None:
+            found = (node, *suffix)
+    return found
 
 
 def _output_nodes(gm: GraphModule) -> set[Node]:
@@ -139,15 +189,24 @@ def _check_outputs(gm: GraphModule, seeds: set[Node], reduced: sympy.Symbol, out
 
 
 def analyze(gm: GraphModule) -> HoistPlan:
-    seeds, index, rows, reduced = find_seeds(gm)
-    plan = HoistPlan(rows, reduced, index, seeds)
+    try:
+        seeds, index, rows, reduced = find_seeds(gm)
+        plan = HoistPlan(rows, reduced, index, seeds)
+    except NoCut:
+        found = find_suffix_seed(gm)
+        if found is None:
+            raise
+        seed, layout, rows, count = found
+        reduced = sympy.Integer(count) if isinstance(count, int) else count.meta["val"].node.expr
+        plan = HoistPlan(rows, reduced, None, [(seed, layout)], suffix=count)
     requested: dict[Node, dict[Layout, list]] = defaultdict(lambda: defaultdict(list))
     needed_whole: dict[Node, tuple[str, Node]] = {}
-    seed_nodes = {s for s, _ in seeds}
+    seed_nodes = {s for s, _ in plan.seeds}
     outputs = _output_nodes(gm)
-    for seed, layout in seeds:
+    for seed, layout in plan.seeds:
         requested[seed.args[0]][layout].append((seed, ("args", 0)))
-    _check_outputs(gm, seed_nodes, reduced, outputs)
+    if plan.suffix is None:
+        _check_outputs(gm, seed_nodes, reduced, outputs)
 
     for node in reversed(list(gm.graph.nodes)):
         if node not in requested or node in seed_nodes:
@@ -165,6 +224,8 @@ def analyze(gm: GraphModule) -> HoistPlan:
             reason, blocker = f"also needed for all rows by {outside[0].name} ({outside[0].target})", outside[0]
         elif len(layouts) > 1:
             reason = "needed with rows on two different dims"
+        elif node.target is SDPA_OP and plan.suffix is None:
+            reason = "sdpa attention whose queries are chosen by an index: its causal mask stays aligned only for a suffix"
         else:
             fn = lookup_rule(node)
             layout = next(iter(layouts))

@@ -8,8 +8,9 @@ Invariants:
 - A rule never claims row-alignment it cannot show from shapes: sizes are compared as sympy
   expressions, and any argument that depends on the row count in a way the rule cannot rewrite
   stops the hoist.
-- Rules only describe; the rewrite (passes/cut_graph.py) applies ``size_rewrites`` and
-  ``set_query_rows`` to nodes that join the reduced region.
+- Rules only describe; the rewrite (passes/cut_graph.py) applies ``arg_rewrites`` (sizes in the
+  reduced row count, the sdpa op's ``query_suffix`` flag) and ``set_query_rows`` to nodes that join
+  the reduced region.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch.fx import Node
 
 from fx_fastprefill.attention_op import ATTENTION_OP, K, KV_WRITTEN, Q, QUERY_ROWS, V
+from fx_fastprefill.sdpa_op import SDPA_K, SDPA_MASK, SDPA_OP, SDPA_Q, SDPA_QUERY_SUFFIX, SDPA_V
 
 from .token_layout import Layout, depends_on, map_view_layout, shape_exprs
 
@@ -43,7 +45,7 @@ class Requirement:
 @dataclass
 class RuleResult:
     requirements: list[Requirement] = field(default_factory=list)
-    size_rewrites: dict[Path, Any] = field(default_factory=dict)
+    arg_rewrites: dict[Path, Any] = field(default_factory=dict)
     set_query_rows: bool = False
 
 
@@ -100,7 +102,7 @@ def _broadcast_requirement(path, arg: Node, out_shape, layout: Layout) -> Requir
         return Requirement(path, arg, None)
     if sympy.simplify(shape[axis] - out_shape[layout.axis]) != 0:
         return f"operand {path[1:]} has {shape[axis]} rows on the token dim, output has {out_shape[layout.axis]}"
-    return Requirement(path, arg, Layout(axis, layout.inner))
+    return Requirement(path, arg, layout.moved(axis))
 
 
 def _elementwise(node: Node, layout: Layout, rows) -> RuleResult | str:
@@ -163,9 +165,7 @@ def _addmm(node, layout, rows):
 @rule(aten.bmm.default)
 def _bmm(node, layout, rows):
     x, y = node.args
-    if layout.axis == 0:
-        if layout.inner != 1:
-            return "bmm with rows merged into the batch dim"
+    if layout.axis == 0:  # batch dim: output batch i is x[i] @ y[i], whatever the grouping
         return RuleResult([Requirement(("args", 0), x, layout), Requirement(("args", 1), y, layout)])
     if layout.axis == 1:
         return RuleResult([Requirement(("args", 0), x, layout), Requirement(("args", 1), y, None)])
@@ -186,9 +186,19 @@ def _rewrite_size_list(node: Node, arg_index: int, layout: Layout, rows) -> dict
                 return f"size {i} of {node.target} is a constant on the token dim"
         elif uses_rows:
             return f"size {i} of {node.target} depends on the token count off the token dim"
-        elif size == -1:
+        elif size == -1 and not _explicit_rows(sizes[layout.axis], rows):
+            # cut_graph infers a token-dim size it cannot spell (-1): only one dim may be inferred.
             return f"{node.target} infers a dim other than the token dim (-1 at {i})"
     return rewrites
+
+
+def _explicit_rows(size, rows) -> bool:
+    """Whether cut_graph spells this token-dim size in R explicitly: ``rows`` times an integer."""
+    value = size.meta.get("val") if isinstance(size, Node) else size
+    if not isinstance(value, torch.SymInt):
+        return False
+    factor = sympy.simplify(value.node.expr / rows)
+    return factor.is_Integer
 
 
 @rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -213,14 +223,25 @@ def _expand(node, layout, rows):
     rewrites = _rewrite_size_list(node, 1, layout, rows)
     if isinstance(rewrites, str):
         return rewrites
-    return RuleResult([Requirement(("args", 0), src, Layout(axis, layout.inner))], rewrites)
+    return RuleResult([Requirement(("args", 0), src, layout.moved(axis))], rewrites)
+
+
+@rule(aten.repeat.default)
+def _repeat(node, layout, rows):
+    src, repeats = node.args
+    axis = layout.axis - (len(repeats) - len(_shape(src)))
+    if axis < 0 or repeats[layout.axis] != 1:
+        return "repeat along the token dim"
+    if any(depends_on(r, rows) for r in repeats):
+        return "repeat counts depend on the token count"
+    return RuleResult([Requirement(("args", 0), src, layout.moved(axis))])
 
 
 @rule(aten.permute.default)
 def _permute(node, layout, rows):
     src, dims = node.args
     dims = [_norm_dim(d, len(dims)) for d in dims]
-    return RuleResult([Requirement(("args", 0), src, Layout(dims[layout.axis], layout.inner))])
+    return RuleResult([Requirement(("args", 0), src, layout.moved(dims[layout.axis]))])
 
 
 @rule(aten.transpose.int)
@@ -229,7 +250,7 @@ def _transpose(node, layout, rows):
     rank = len(_shape(node))
     d0, d1 = _norm_dim(d0, rank), _norm_dim(d1, rank)
     axis = {d0: d1, d1: d0}.get(layout.axis, layout.axis)
-    return RuleResult([Requirement(("args", 0), src, Layout(axis, layout.inner))])
+    return RuleResult([Requirement(("args", 0), src, layout.moved(axis))])
 
 
 @rule(aten.unsqueeze.default)
@@ -238,7 +259,7 @@ def _unsqueeze(node, layout, rows):
     dim = _norm_dim(dim, len(_shape(node)))
     if dim == layout.axis:
         return "unsqueeze at the token dim"
-    return RuleResult([Requirement(("args", 0), src, Layout(layout.axis - (dim < layout.axis), layout.inner))])
+    return RuleResult([Requirement(("args", 0), src, layout.moved(layout.axis - (dim < layout.axis)))])
 
 
 @rule(aten.squeeze.dim, aten.squeeze.dims)
@@ -248,7 +269,7 @@ def _squeeze(node, layout, rows):
     dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
     removed = sorted({_norm_dim(d, len(in_shape)) for d in dims if in_shape[_norm_dim(d, len(in_shape))] == 1})
     kept = [i for i in range(len(in_shape)) if i not in removed]
-    return RuleResult([Requirement(("args", 0), src, Layout(kept[layout.axis], layout.inner))])
+    return RuleResult([Requirement(("args", 0), src, layout.moved(kept[layout.axis]))])
 
 
 @rule(aten.select.int)
@@ -256,7 +277,7 @@ def _select(node, layout, rows):
     src, dim, _ = node.args
     dim = _norm_dim(dim, len(_shape(src)))
     axis = layout.axis + (dim <= layout.axis)
-    return RuleResult([Requirement(("args", 0), src, Layout(axis, layout.inner))])
+    return RuleResult([Requirement(("args", 0), src, layout.moved(axis))])
 
 
 @rule(aten.slice.Tensor)
@@ -268,12 +289,42 @@ def _slice(node, layout, rows):
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
     if dim == layout.axis:
-        whole = start in (None, 0) and step == 1 and (end is None or (isinstance(end, int) and end >= 2**62))
-        if not whole:
+        if not (start in (None, 0) and step == 1 and _reaches_end(end, shape[dim])):
             return "a slice of the token dim"
     elif any(depends_on(a, rows) for a in (start, end)):
         return "slice bounds depend on the token count"
     return RuleResult([Requirement(("args", 0), src, layout)])
+
+
+def _reaches_end(end, size: sympy.Expr) -> bool:
+    if end is None or (isinstance(end, int) and end >= 2**62):
+        return True
+    value = end.meta.get("val") if isinstance(end, Node) else end
+    expr = value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value) if isinstance(value, int) else None
+    return expr is not None and sympy.simplify(expr - size) == 0
+
+
+@rule(aten.slice_scatter.default)
+def _slice_scatter(node, layout, rows):
+    """``x[.., a:b, ..] = src`` off the token dim: both keep the token dim where it is."""
+    src, values = node.args[0], node.args[1]
+    shape = _shape(src)
+    dim = _norm_dim(node.args[2] if len(node.args) > 2 else 0, len(shape))
+    if dim == layout.axis:
+        return "a slice_scatter along the token dim"
+    if any(depends_on(a, rows) for a in node.args[3:]):
+        return "slice_scatter bounds depend on the token count"
+    return RuleResult([Requirement(("args", 0), src, layout), Requirement(("args", 1), values, layout)])
+
+
+@rule(aten.select_scatter.default)
+def _select_scatter(node, layout, rows):
+    src, values, dim = node.args[0], node.args[1], node.args[2]
+    dim = _norm_dim(dim, len(_shape(src)))
+    if dim == layout.axis:
+        return "a select_scatter along the token dim"
+    return RuleResult([Requirement(("args", 0), src, layout),
+                       Requirement(("args", 1), values, layout.moved(layout.axis - (dim < layout.axis)))])
 
 
 @rule(aten.cat.default)
@@ -303,7 +354,7 @@ def _reduction(node, layout, rows, dims, keepdim):
     reason = _symint_uses_rows(node, rows)
     if reason:
         return reason
-    return RuleResult([Requirement(("args", 0), src, Layout(axis, layout.inner))])
+    return RuleResult([Requirement(("args", 0), src, layout.moved(axis))])
 
 
 @rule(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.prod.dim_int)
@@ -367,7 +418,7 @@ def _getitem(node, layout, rows):
 
 @rule(ATTENTION_OP)
 def _attention(node, layout, rows):
-    if layout.axis != 0 or layout.inner != 1:
+    if layout.axis != 0 or not layout.plain:
         return "attention output rows merged with another dim"
     if node.args[QUERY_ROWS] is not None:
         return "attention already runs on a subset of its queries"
@@ -376,4 +427,27 @@ def _attention(node, layout, rows):
     result = RuleResult([Requirement(("args", Q), node.args[Q], layout)], set_query_rows=True)
     for i in (K, V, KV_WRITTEN):
         result.requirements.append(Requirement(("args", i), node.args[i], None))
+    return result
+
+
+@rule(SDPA_OP)
+def _sdpa(node, layout, rows):
+    """Queries are row-aligned on their dim -2; K/V are needed whole; a mask is gathered on its
+    query dim unless it broadcasts there. The rewritten call runs on a suffix of the queries."""
+    out_shape = _shape(node)
+    if layout.axis != len(out_shape) - 2 or not layout.plain:
+        return "attention output rows not on its query dim"
+    if node.args[SDPA_QUERY_SUFFIX]:
+        return "attention already runs on a subset of its queries"
+    q, k, v, mask = (node.args[i] for i in (SDPA_Q, SDPA_K, SDPA_V, SDPA_MASK))
+    result = RuleResult([Requirement(("args", SDPA_Q), q, layout), Requirement(("args", SDPA_K), k, None),
+                         Requirement(("args", SDPA_V), v, None)], {("args", SDPA_QUERY_SUFFIX): True})
+    if isinstance(mask, Node):
+        mask_shape = _shape(mask)
+        if len(mask_shape) < 2 or mask_shape[-2] == 1:
+            result.requirements.append(Requirement(("args", SDPA_MASK), mask, None))
+        elif sympy.simplify(mask_shape[-2] - out_shape[layout.axis]) == 0:
+            result.requirements.append(Requirement(("args", SDPA_MASK), mask, Layout(len(mask_shape) - 2)))
+        else:
+            return f"attention mask of shape {mask_shape} does not match the queries"
     return result

@@ -15,14 +15,14 @@ Invariants:
   ValueError names the layer and what is wrong.
 - A sharing layer's query layout must fit its source (same head dim, query heads a multiple of the
   source's KV heads).
-- Only the k/v arguments of sharing calls change.
+- Only the k/v arguments of sharing calls change; sdpa nodes (transformers models) are not touched.
 """
 
 from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from fx_fastprefill.attention_op import K, KV_WRITTEN, V, WRITE_KV_OP
+from fx_fastprefill.attention_op import ATTENTION_OP, K, KV_WRITTEN, V, WRITE_KV_OP
 
 from .attention_nodes import AttentionNode, find_attention_nodes
 
@@ -34,6 +34,8 @@ def link_kv_sources(gm: GraphModule) -> list[AttentionNode]:
         by_name.setdefault(attn.layer, []).append(attn)
     seen: dict[str, AttentionNode] = {}
     for attn in layers:
+        if attn.node.target is not ATTENTION_OP:
+            continue  # sdpa: K/V are plain dataflow already, and there is no cache to write
         if attn.shares_kv:
             source = seen.get(attn.kv_source)
             if source is None:

@@ -1,9 +1,10 @@
 """Where the token rows live in a tensor, and how that place moves through views.
 
 Invariants:
-- A layout ``(axis, inner)`` says dimension ``axis`` has size ``rows * inner`` and element ``i``
-  of that dimension belongs to row ``i // inner``. Plain row-aligned tensors have ``inner == 1``;
-  ``inner > 1`` appears when a view merges the token dim with the dims after it.
+- A layout ``(axis, inner, outer)`` says dimension ``axis`` has size ``outer * rows * inner`` and
+  element ``i`` of that dimension belongs to row ``(i // inner) % rows``. Plain row-aligned tensors
+  have ``inner == outer == 1``; ``inner > 1`` appears when a view merges the token dim with the
+  dims after it, ``outer > 1`` when it merges a batch dim before it (``[B, S, H] -> [B*S, H]``).
 - Sizes are sympy expressions; the row count is one free symbol (``T`` in the full graph).
 """
 
@@ -20,9 +21,23 @@ import torch
 class Layout:
     axis: int
     inner: sympy.Expr = sympy.Integer(1)
+    outer: sympy.Expr = sympy.Integer(1)
+
+    @property
+    def plain(self) -> bool:
+        return self.inner == 1 and self.outer == 1
+
+    def moved(self, axis: int) -> "Layout":
+        """The same row grouping on another dim."""
+        return Layout(axis, self.inner, self.outer)
 
     def __str__(self) -> str:
-        return f"dim {self.axis}" + ("" if self.inner == 1 else f" (blocks of {self.inner})")
+        text = f"dim {self.axis}"
+        if self.inner != 1:
+            text += f" (blocks of {self.inner})"
+        if self.outer != 1:
+            text += f" ({self.outer} sequences)"
+        return text
 
 
 def size_expr(value) -> sympy.Expr:
@@ -38,16 +53,6 @@ def shape_exprs(val) -> list[sympy.Expr] | None:
     return [size_expr(s) for s in val.shape]
 
 
-def rows_factor(size: sympy.Expr, rows: sympy.Symbol) -> sympy.Expr | None:
-    """``inner`` when ``size == rows * inner`` with ``inner`` free of ``rows``; else None."""
-    if rows not in size.free_symbols:
-        return None
-    inner = sympy.simplify(size / rows)
-    if rows in inner.free_symbols or inner.is_number and (inner <= 0 or not inner.is_integer):
-        return None
-    return inner
-
-
 def _prod(values: Sequence[sympy.Expr]) -> sympy.Expr:
     out = sympy.Integer(1)
     for v in values:
@@ -59,21 +64,33 @@ def map_view_layout(src_shape: Sequence[sympy.Expr], src: Layout, dst_shape: Seq
                     rows: sympy.Symbol) -> Layout | None:
     """The layout of the rows after viewing a row-major tensor of ``src_shape`` as ``dst_shape``.
 
-    Rows stay addressable when the outer product before the token dim and the contiguous block of
-    each row are preserved; a view that splits the row count itself returns None.
+    In memory the rows sit between a prefix (every dim before the token dim, times ``outer``) and a
+    block (``inner`` times every dim after it). A view keeps rows addressable when the dim holding
+    ``rows`` in ``dst_shape`` splits that same prefix and block; a view that splits the row count
+    itself returns None.
     """
-    outer = _prod(src_shape[: src.axis])
+    prefix = sympy.simplify(_prod(src_shape[: src.axis]) * src.outer)
     block = sympy.simplify(src.inner * _prod(src_shape[src.axis + 1:]))
-    for axis, size in enumerate(dst_shape):
-        inner = rows_factor(size, rows)
-        if inner is None:
-            continue
-        if sympy.simplify(_prod(dst_shape[:axis]) - outer) != 0:
+    holding = [axis for axis, size in enumerate(dst_shape) if rows in size.free_symbols]
+    if len(holding) != 1:
+        return None
+    axis = holding[0]
+    outer = sympy.simplify(prefix / _prod(dst_shape[:axis]))
+    inner = sympy.simplify(block / _prod(dst_shape[axis + 1:]))
+    for factor in (outer, inner):
+        if rows in factor.free_symbols or (factor.is_number and (factor <= 0 or not factor.is_integer)):
             return None
-        if sympy.simplify(inner * _prod(dst_shape[axis + 1:]) - block) != 0:
+        if not factor.is_number and not _is_monomial(factor):
             return None
-        return Layout(axis, inner)
-    return None
+    if sympy.simplify(dst_shape[axis] - outer * rows * inner) != 0:
+        return None
+    return Layout(axis, inner, outer)
+
+
+def _is_monomial(expr: sympy.Expr) -> bool:
+    """A product of symbols and a positive integer: a size, not a ratio of sizes."""
+    numerator, denominator = sympy.fraction(sympy.factor(expr))
+    return denominator == 1 and (numerator.is_Mul or numerator.is_Symbol)
 
 
 def depends_on(value, symbol: sympy.Symbol) -> bool:

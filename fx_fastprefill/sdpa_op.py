@@ -1,0 +1,57 @@
+"""``fx_fastprefill::sdpa``: the attention op of unmodified transformers models, made visible to the pass.
+
+Transformers calls ``F.scaled_dot_product_attention``; by the time the graph is an aten graph that
+call has become one of several backend-specific ops (flash for CPU, flash / efficient / cuDNN on
+CUDA), each with its own signature. ``passes/capture_sdpa.py`` replaces the call, while the graph is
+still Dynamo's, with this one op that names the layer it belongs to, so the KV-sharing analysis and
+the cut see one canonical node per layer.
+
+``query_suffix=True`` is the query-subset form: ``q`` holds the last ``Lq`` queries of sequences of
+``Lk`` tokens, so causal masking is aligned bottom-right. SDPA's own ``is_causal`` is aligned
+top-left; the two agree when ``Lq == Lk``, which is the only case the model itself produces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .attention_op import OP_NAMESPACE
+
+
+def _bottom_right_causal(num_q: int, num_k: int, device) -> Tensor:
+    return torch.ones(num_q, num_k, dtype=torch.bool, device=device).tril(diagonal=num_k - num_q)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::sdpa", mutates_args=())
+def sdpa_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
+            scale: float | None, enable_gqa: bool, layer: str, query_suffix: bool) -> Tensor:
+    num_q, num_k = q.shape[-2], k.shape[-2]
+    if query_suffix and num_q > num_k:
+        raise ValueError(f"sdpa(layer={layer!r}): {num_q} suffix queries against only {num_k} keys")
+    if is_causal and num_q != num_k:
+        if not query_suffix:
+            # Exactly what F.scaled_dot_product_attention does (top-left), as the model asked.
+            return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, True, scale=scale, enable_gqa=enable_gqa)
+        causal = _bottom_right_causal(num_q, num_k, q.device)
+        attn_mask = causal if attn_mask is None else _and_mask(attn_mask, causal, q.dtype)
+        is_causal = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def _and_mask(mask: Tensor, causal: Tensor, dtype: torch.dtype) -> Tensor:
+    if mask.dtype == torch.bool:
+        return mask & causal
+    return mask.masked_fill(~causal, float("-inf")).to(mask.dtype if mask.is_floating_point() else dtype)
+
+
+@sdpa_op.register_fake
+def _sdpa_fake(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layer, query_suffix):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+SDPA_OP = torch.ops.fx_fastprefill.sdpa.default
+
+# Argument positions of the sdpa op.
+SDPA_Q, SDPA_K, SDPA_V, SDPA_MASK, SDPA_DROPOUT, SDPA_IS_CAUSAL, SDPA_SCALE, SDPA_GQA, SDPA_LAYER, SDPA_QUERY_SUFFIX = range(10)

@@ -97,7 +97,7 @@ def _single_symbol(expr: sympy.Expr) -> sympy.Symbol | None:
 NO_SELECTION = (
     "no row selection to hoist: neither a gather by a graph input (hidden[logits_indices]) nor a slice of the "
     "last rows (hidden[:, -k:], transformers' logits_to_keep) over a dynamic token dim. Logits for all rows were "
-    "asked for, or the shapes are static (compile with dynamic=True)"
+    "asked for, the step has one token per sequence (decode), or the shapes are static (compile with dynamic=True)"
 )
 
 

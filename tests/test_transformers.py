@@ -1,0 +1,103 @@
+"""Unmodified transformers models (Gemma 3n, Gemma 4) through the backend, on the CPU in float32.
+
+Each model is built from a small config with random weights and compiled once per test module;
+the pass must find the KV sharing from the graph's dataflow and keep transformers' own output.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import fx_fastprefill  # noqa: E402
+from examples import hf_gemma3n, hf_gemma4  # noqa: E402
+from examples.hf_check import check_prefill, compile_with_pass, greedy, left_padded_batch  # noqa: E402
+
+MODELS = {"gemma3n": hf_gemma3n}
+if hasattr(transformers, "Gemma4ForCausalLM"):
+    MODELS["gemma4"] = hf_gemma4
+
+
+class Compiled:
+    """One model, one backend, one compiled forward; each test adds calls."""
+
+    def __init__(self, example, **build):
+        torch.manual_seed(0)
+        self.model = example.tiny(**build)
+        self.config = self.model.config
+        self.shared = example.shared_layers(self.config)
+        self.backend = fx_fastprefill.backend(compiler="eager")
+        self.forward = compile_with_pass(self.model, self.backend)
+
+    def batch(self, lengths, seed=0):
+        return left_padded_batch(lengths, self.config.vocab_size, pad_id=0, seed=seed)
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def compiled(request):
+    return Compiled(MODELS[request.param])
+
+
+def test_batch_of_one_matches_and_report_names_shared_layers(compiled):
+    ids, mask = compiled.batch([23])
+    assert check_prefill(compiled.model, compiled.forward, ids, mask) <= 1e-5
+    report = compiled.backend.reports[-1]
+    assert report.cut, report.reason
+    assert report.eligible_layers == compiled.shared
+    names = [a.layer for a in report.attention_layers]
+    assert names == [f"model.layers.{i}.self_attn" for i in range(compiled.config.num_hidden_layers)]
+    # Every sharing layer reads a layer of the same type that computes its own K/V.
+    by_name = {a.layer: a for a in report.attention_layers}
+    types = compiled.config.layer_types
+    for layer in compiled.shared:
+        source = by_name[layer].kv_source
+        assert source is not None and by_name[source].kv_source is None
+        assert types[int(source.split(".")[2])] == types[int(layer.split(".")[2])]
+    # The cut reaches the last K/V-producing layer's queries: one layer more than the sharing run.
+    assert report.reduced_layers[1:] == compiled.shared
+    assert 0.3 < report.flops_removed_fraction < 0.9
+
+
+def test_left_padded_batch_matches(compiled):
+    ids, mask = compiled.batch([9, 20, 14], seed=1)
+    assert check_prefill(compiled.model, compiled.forward, ids, mask) <= 1e-5
+    assert compiled.backend.reports[-1].cut
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"output_hidden_states": True}, "hidden states or attentions asked for"),
+    ({"logits_to_keep": 0}, "Logits for all rows were asked for"),
+])
+def test_outputs_that_need_every_row_leave_the_graph_unchanged(compiled, kwargs, reason):
+    ids, mask = compiled.batch([12, 7], seed=2)
+    call = dict(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+    call.update(kwargs)
+    with torch.no_grad():
+        expected = compiled.model(**call)
+        before = len(compiled.backend.reports)
+        got = compiled.forward(**call)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    new_reports = compiled.backend.reports[before:]
+    assert new_reports and not any(r.cut for r in new_reports)
+    assert any(reason in r.reason for r in new_reports), [r.reason for r in new_reports]
+
+
+def test_greedy_generation_with_the_model_cache_matches():
+    model = Compiled(hf_gemma3n)
+    ids, mask = model.batch([11, 6], seed=3)
+    expected = greedy(model.model, None, ids, mask, 16)
+    got = greedy(model.model, model.forward, ids, mask, 16)
+    assert torch.equal(got, expected)
+    assert any(r.cut for r in model.backend.reports)
+
+
+@pytest.mark.skipif("gemma4" not in MODELS, reason="this transformers has no Gemma 4")
+def test_gemma4_with_its_own_hand_slicing_still_matches():
+    model = Compiled(hf_gemma4, hand_slicing=True)
+    ids, mask = model.batch([15, 9], seed=4)
+    assert check_prefill(model.model, model.forward, ids, mask) <= 1e-5

@@ -28,10 +28,15 @@ def config(**overrides):
     return Gemma3nTextConfig(**values)
 
 
-def tiny():
+def tiny(**overrides):
     """A small Gemma3nForCausalLM with random weights (the explain command's factory)."""
     from transformers import Gemma3nForCausalLM
-    return Gemma3nForCausalLM(config()).eval()
+    return Gemma3nForCausalLM(config(**overrides)).eval()
+
+
+# The smallest config with both layer types on each side of the sharing boundary (for the tests).
+SMALLEST = dict(num_hidden_layers=5, num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * 5,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"])
 
 
 def shared_layers(cfg) -> list[str]:

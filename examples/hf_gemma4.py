@@ -35,11 +35,16 @@ def without_hand_slicing(model):
     return model
 
 
-def tiny(hand_slicing: bool = False):
+def tiny(hand_slicing: bool = False, **overrides):
     """A small Gemma4ForCausalLM with random weights (the explain command's factory)."""
     from transformers import Gemma4ForCausalLM
-    model = Gemma4ForCausalLM(config()).eval()
+    model = Gemma4ForCausalLM(config(**overrides)).eval()
     return model if hand_slicing else without_hand_slicing(model)
+
+
+# The smallest config with both layer types on each side of the sharing boundary (for the tests).
+SMALLEST = dict(num_hidden_layers=5, num_kv_shared_layers=2,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"])
 
 
 def shared_layers(cfg) -> list[str]:

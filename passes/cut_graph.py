@@ -170,13 +170,8 @@ def _insert_gather(gm: GraphModule, plan: HoistPlan, source: Node, layout: Layou
     with graph.inserting_before(before):
         if plan.suffix is None:
             picked = graph.call_function(aten.index_select.default, (source_view, axis, plan.index))
-        elif isinstance(plan.suffix, int):
-            picked = graph.call_function(aten.slice.Tensor, (source_view, axis, -plan.suffix, 2**63 - 1))
         else:
-            start = graph.call_function(operator.neg, (plan.suffix,))
-            start.meta["val"] = -plan.suffix.meta["val"]
-            start.meta["ffp_role"] = BOUNDARY_GATHER
-            picked = graph.call_function(aten.slice.Tensor, (source_view, axis, start, 2**63 - 1))
+            picked = graph.call_function(aten.slice.Tensor, (source_view, axis, -plan.suffix, 2**63 - 1))
         gathered = picked
         if not layout.plain:
             picked.meta["ffp_role"] = BOUNDARY_GATHER

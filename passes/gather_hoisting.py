@@ -22,7 +22,6 @@ Invariants:
 
 from __future__ import annotations
 
-import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -54,7 +53,7 @@ class HoistPlan:
     reduced_rows: sympy.Expr      # logits-row count R: a symbol, or k of a static suffix
     index: Node | None            # the logits_indices graph input (None for a suffix selection)
     seeds: list[tuple[Node, Layout]]  # the model's own gathers and the layout they select on
-    suffix: int | Node | None = None  # k of a suffix selection: an int, or the graph input holding it
+    suffix: int | None = None     # k of a suffix selection (a constant)
     region: dict[Node, Layout] = field(default_factory=dict)
     rules: dict[Node, RuleResult] = field(default_factory=dict)
     # (tensor, layout) -> the (user, argument path) pairs that read its gathered rows
@@ -132,7 +131,7 @@ def find_seeds(gm: GraphModule) -> tuple[list[tuple[Node, Layout]], Node, sympy.
     return [(c[0], Layout(c[2])) for c in chosen], index, rows, reduced
 
 
-def _suffix_slice(node: Node) -> tuple[Layout, sympy.Symbol, int | Node] | None:
+def _suffix_slice(node: Node) -> tuple[Layout, sympy.Symbol, int] | None:
     """(layout, rows, k) when ``node`` is ``x[..., -k:, ...]`` on a dim whose size is one symbol."""
     if node.op != "call_function" or node.target is not aten.slice.Tensor:
         return None
@@ -146,17 +145,14 @@ def _suffix_slice(node: Node) -> tuple[Layout, sympy.Symbol, int | Node] | None:
     rows = _single_symbol(shape[dim])
     if rows is None or step not in (None, 1) or not (end is None or (isinstance(end, int) and end >= 2**62)):
         return None
+    # Only a constant k: Dynamo's guards then keep k <= rows. A symbolic k may be 0 at run time,
+    # and x[:, -0:] is every row.
     if isinstance(start, int) and start < 0:
         return Layout(dim), rows, -start
-    value = start.meta.get("val") if isinstance(start, Node) else None
-    if isinstance(value, torch.SymInt) and start.op == "call_function" and start.target is operator.neg:
-        count = start.args[0]
-        if isinstance(count, Node) and count.op == "placeholder":
-            return Layout(dim), rows, count
     return None
 
 
-def find_suffix_seed(gm: GraphModule) -> tuple[Node, Layout, sympy.Symbol, int | Node] | None:
+def find_suffix_seed(gm: GraphModule) -> tuple[Node, Layout, sympy.Symbol, int] | None:
     """The last slice of the last k rows over a dynamic token dim (transformers' logits_to_keep)."""
     found = None
     for node in gm.graph.nodes:
@@ -197,7 +193,7 @@ def analyze(gm: GraphModule) -> HoistPlan:
         if found is None:
             raise
         seed, layout, rows, count = found
-        reduced = sympy.Integer(count) if isinstance(count, int) else count.meta["val"].node.expr
+        reduced = sympy.Integer(count)
         plan = HoistPlan(rows, reduced, None, [(seed, layout)], suffix=count)
     requested: dict[Node, dict[Layout, list]] = defaultdict(lambda: defaultdict(list))
     needed_whole: dict[Node, tuple[str, Node]] = {}

@@ -28,7 +28,7 @@ class Compiled:
 
     def __init__(self, example, **build):
         torch.manual_seed(0)
-        self.model = example.tiny(**build)
+        self.model = example.tiny(**example.SMALLEST, **build)
         self.config = self.model.config
         self.shared = example.shared_layers(self.config)
         self.backend = fx_fastprefill.backend(compiler="eager")
@@ -60,7 +60,7 @@ def test_batch_of_one_matches_and_report_names_shared_layers(compiled):
         assert types[int(source.split(".")[2])] == types[int(layer.split(".")[2])]
     # The cut reaches the last K/V-producing layer's queries: one layer more than the sharing run.
     assert report.reduced_layers[1:] == compiled.shared
-    assert 0.3 < report.flops_removed_fraction < 0.9
+    assert 0.2 < report.flops_removed_fraction < 0.9
 
 
 def test_left_padded_batch_matches(compiled):

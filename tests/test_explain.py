@@ -176,3 +176,24 @@ def test_env_var_switches_logging_on(monkeypatch):
     finally:
         logs.log.setLevel(logging.NOTSET)
         logs.log.handlers = [h for h in logs.log.handlers if not getattr(h, "_fx_fastprefill", False)]
+
+
+@pytest.mark.parametrize("example_name", ["hf_gemma3n", "hf_gemma4"])
+def test_transformers_examples_in_text_and_json(capsys, example_name):
+    transformers = pytest.importorskip("transformers")
+    if example_name == "hf_gemma4" and not hasattr(transformers, "Gemma4ForCausalLM"):
+        pytest.skip("this transformers has no Gemma 4")
+    import importlib
+    example = importlib.import_module(f"examples.{example_name}")
+    spec = f"examples.{example_name}:tiny"
+    data = json.loads(run_explain(capsys, spec, "--format", "json").out)
+    assert data["cut"] is True, data["reason"]
+    assert data["eligible_layers"] == example.shared_layers(example.config())
+    assert data["reduced_layers"][1:] == data["eligible_layers"]
+    for g in data["gathered"]:  # every sequence's last row: T rows in, one row out
+        full, reduced = g["shape"].split(" -> ")
+        assert "T" in full and "T" not in reduced, g
+    text = run_explain(capsys, spec).out
+    for layer in data["attention_layers"]:
+        assert f"  {layer['layer']}: " in text
+    assert "reads the K/V of model.layers." in text

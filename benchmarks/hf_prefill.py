@@ -1,0 +1,134 @@
+"""Prefill of unmodified transformers Gemma 3n / Gemma 4 on the GPU: torch.compile's default against
+the fx_fastprefill backend, in the same run, random bf16 weights, ``logits_to_keep=1``, ``use_cache=False``.
+
+Variants: ``inductor`` (``torch.compile`` default, no pass), ``ffp`` (the backend, Inductor regions,
+``dynamic=True``) and, for Gemma 4 where transformers has it, ``inductor_hand_slicing``
+(transformers' own slicing of the KV-shared layers' inputs, under ``torch.compile`` default). The
+Gemma 4 ``inductor`` and ``ffp`` variants run with that slicing switched off.
+
+    PYTHONPATH=. python3 benchmarks/hf_prefill.py --model gemma3n --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fx_fastprefill  # noqa: E402
+from examples import hf_gemma3n, hf_gemma4  # noqa: E402
+
+
+def gemma3n_e2b():
+    """Gemma-3n-E2B text shape: 30 layers, the last 10 sharing K/V, sliding window 512 on 4 of every 5."""
+    layers = 30
+    return hf_gemma3n.config(
+        vocab_size=262_144, vocab_size_per_layer_input=262_144, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        hidden_size_per_layer_input=256, num_kv_shared_layers=10, sliding_window=512,
+        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * (layers // 5),
+        altup_num_inputs=4, laurel_rank=64, activation_sparsity_pattern=[0.95] * 10 + [0.0] * 20)
+
+
+def gemma4_default_shared12():
+    """transformers' default Gemma4TextConfig (30 layers) with num_kv_shared_layers=12."""
+    from transformers import Gemma4TextConfig
+    return Gemma4TextConfig(num_kv_shared_layers=12)
+
+
+def build(name: str, hand_slicing: bool):
+    torch.manual_seed(0)
+    if name == "gemma3n":
+        from transformers import Gemma3nForCausalLM
+        model = Gemma3nForCausalLM(gemma3n_e2b())
+    else:
+        from transformers import Gemma4ForCausalLM
+        model = Gemma4ForCausalLM(gemma4_default_shared12())
+        if not hand_slicing:
+            hf_gemma4.without_hand_slicing(model)
+    return model.to(device="cuda", dtype=torch.bfloat16).eval()
+
+
+def timed(fn, runs: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=["gemma3n", "gemma4"], required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--shapes", default="1x8192,8x2048")
+    args = parser.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    variants = ["inductor", "ffp"]
+    if args.model == "gemma4":
+        variants.insert(0, "inductor_hand_slicing")
+    records = []
+    for variant in variants:
+        model = build(args.model, hand_slicing=variant == "inductor_hand_slicing")
+        cfg = model.config
+        shared = sum(mode == "reuse" for mode in cfg.kv_sharing_modes)
+        backend = fx_fastprefill.backend() if variant == "ffp" else None
+        forward = (torch.compile(model.forward, backend=backend, dynamic=True) if backend is not None
+                   else torch.compile(model.forward))
+        for batch, seq_len in shapes:
+            ids = torch.randint(3, cfg.vocab_size, (batch, seq_len), device="cuda")
+            record = {"model": f"{args.model}-hf", "batch": batch, "seq_len": seq_len, "variant": variant,
+                      "layers": cfg.num_hidden_layers, "shared_layers": shared,
+                      "ideal_speedup": cfg.num_hidden_layers / (cfg.num_hidden_layers - shared),
+                      "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+            import transformers
+            record["transformers"] = transformers.__version__
+            try:
+                with torch.no_grad():
+                    def call():
+                        return forward(input_ids=ids, logits_to_keep=1, use_cache=False).logits
+                    start = time.perf_counter()
+                    logits = call()
+                    torch.cuda.synchronize()
+                    record["first_call_s"] = time.perf_counter() - start
+                    times = timed(call, args.runs)
+                    record["median_ms"] = statistics.median(times)
+                    record["times_ms"] = times
+                    record["logits_checksum"] = logits.float().abs().mean().item()
+                    reference = model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
+                    record["max_rel_err_vs_eager"] = ((logits.float() - reference.float()).abs().max()
+                                                      / reference.float().abs().max()).item()
+                if backend is not None:
+                    report = backend.reports[-1]
+                    record.update(cut=report.cut, reason=report.reason, eligible_layers=report.eligible_layers,
+                                  reduced_layers=report.reduced_layers, flops_removed=report.flops_removed_fraction)
+            except Exception:  # noqa: BLE001 - recorded; the other variants still run
+                record["error"] = traceback.format_exc(limit=6)
+            print(json.dumps({k: v for k, v in record.items() if k != "times_ms"}), flush=True)
+            records.append(record)
+        del model, forward
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -124,6 +124,8 @@ def main() -> None:
                 record["error"] = traceback.format_exc(limit=6)
             print(json.dumps({k: v for k, v in record.items() if k != "times_ms"}), flush=True)
             records.append(record)
+            with open(args.out, "w") as f:  # after every record: a run cut short keeps what it measured
+                json.dump(records, f, indent=1)
         del model, forward
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:

@@ -80,11 +80,14 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--shapes", default="1x8192,8x2048")
+    parser.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     variants = ["inductor", "ffp"]
     if args.model == "gemma4":
         variants.insert(0, "inductor_hand_slicing")
+    if args.variants:
+        variants = [v for v in variants if v in args.variants.split(",")]
     records = []
     for variant in variants:
         model = build(args.model, hand_slicing=variant == "inductor_hand_slicing")

@@ -81,7 +81,7 @@ class FastPrefillBackend:
 
     def _compile_aten(self, gm: GraphModule, example_inputs: Sequence[Any]):
         from fx_fastprefill.passes.attention_nodes import find_attention_nodes
-        from fx_fastprefill.passes.cut_graph import cut_graph
+        from fx_fastprefill.passes.cut_graph import CutError, cut_graph
         from fx_fastprefill.passes.eligible_layers import eligible_layers
         from fx_fastprefill.passes.flops import estimate_flops
         from fx_fastprefill.passes.gather_hoisting import NoCut, analyze
@@ -105,11 +105,13 @@ class FastPrefillBackend:
             return self._compile_unchanged(gm, example_inputs, report)
         if not layers:
             report.reason = "the graph has no attention the pass knows (fx_fastprefill.attention, or SDPA in a transformers model)"
+        original, (gm, copies) = gm, _copy_graph_module(gm)  # the cut works on a copy: a failed cut leaves nothing half-done
+        report.placeholder_names.update({copies[n]: name for n, name in list(report.placeholder_names.items())})
         try:
             plan = analyze(gm)
         except NoCut as e:
             report.reason = str(e) if not report.reason else report.reason + "; " + str(e)
-            return self._compile_unchanged(gm, example_inputs, report)
+            return self._compile_unchanged(original, example_inputs, report)
         report.flops_full = estimate_flops(gm, plan.rows, plan.reduced_rows, self.prompt_len)
         feeds_kv = kv_consumers(gm)
         report.stops = [hoist_stop(stop, report, feeds_kv) for stop in plan.stops]
@@ -119,8 +121,12 @@ class FastPrefillBackend:
                     if first is not None and first.reason == "a graph output" else "")
             report.reason = report.reason or ("the hoist stopped before any attention layer" +
                                               (f": {first.tensor} ({first.op}): {first.reason}" if first else "") + hint)
-            return self._compile_unchanged(gm, example_inputs, report)
-        cut_graph(gm, plan)
+            return self._compile_unchanged(original, example_inputs, report)
+        try:
+            cut_graph(gm, plan)
+        except CutError as e:
+            report.reason = f"the cut could not be applied: {e}"
+            return self._compile_unchanged(original, example_inputs, report)
         stages = split_regions(gm)
         compiled = {name: _compile_region(stage.module, [n.meta["val"] for n in stage.inputs], self.compiler)
                     for name, stage in stages.items() if stage.module is not None}
@@ -141,6 +147,16 @@ class FastPrefillBackend:
         report.graph = gm
         log.info("graph left unchanged: %s", report.reason)
         return _compile_region_whole(gm, example_inputs, self.compiler)
+
+
+def _copy_graph_module(gm: GraphModule) -> tuple[GraphModule, dict[Node, Node]]:
+    """A new graph of the same nodes, and the map from old to new nodes (meta dicts are copied
+    shallowly: fake values are shared, not cloned)."""
+    graph = torch.fx.Graph()
+    env: dict[Node, Node] = {}
+    for node in gm.graph.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    return GraphModule(gm, graph), env
 
 
 def _compile_region_whole(gm: GraphModule, example_inputs, compiler: str):

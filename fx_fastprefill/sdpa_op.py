@@ -24,20 +24,27 @@ def _bottom_right_causal(num_q: int, num_k: int, device) -> Tensor:
     return torch.ones(num_q, num_k, dtype=torch.bool, device=device).tril(diagonal=num_k - num_q)
 
 
+def _heads_inner(out: Tensor) -> Tensor:
+    """``[B, H, L, D]`` laid out as ``[B, L, H, D]`` in memory: what the CUDA kernels return and what
+    the fake kernel promises, so compiled code may rely on the strides. Copies only when needed."""
+    if out.dim() != 4 or out.transpose(1, 2).is_contiguous():
+        return out if out.dim() == 4 else out.contiguous()
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 @torch.library.custom_op(f"{OP_NAMESPACE}::sdpa", mutates_args=())
 def sdpa_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
             scale: float | None, enable_gqa: bool, layer: str, query_suffix: bool) -> Tensor:
     num_q, num_k = q.shape[-2], k.shape[-2]
     if query_suffix and num_q > num_k:
         raise ValueError(f"sdpa(layer={layer!r}): {num_q} suffix queries against only {num_k} keys")
-    if is_causal and num_q != num_k:
-        if not query_suffix:
-            # Exactly what F.scaled_dot_product_attention does (top-left), as the model asked.
-            return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, True, scale=scale, enable_gqa=enable_gqa)
+    if is_causal and num_q != num_k and query_suffix:
         causal = _bottom_right_causal(num_q, num_k, q.device)
         attn_mask = causal if attn_mask is None else _and_mask(attn_mask, causal, q.dtype)
         is_causal = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    # Otherwise exactly what F.scaled_dot_product_attention does (top-left causal), as the model asked.
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return _heads_inner(out)
 
 
 def _and_mask(mask: Tensor, causal: Tensor, dtype: torch.dtype) -> Tensor:
@@ -48,6 +55,9 @@ def _and_mask(mask: Tensor, causal: Tensor, dtype: torch.dtype) -> Tensor:
 
 @sdpa_op.register_fake
 def _sdpa_fake(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layer, query_suffix):
+    if q.dim() == 4:
+        batch, heads, num_q, _ = q.shape
+        return q.new_empty(batch, num_q, heads, v.shape[-1]).transpose(1, 2)
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 

@@ -1,0 +1,70 @@
+"""Where the pass cannot prove a cut safe it leaves the graph unchanged, says why, and the model
+still computes what it computes without the pass."""
+
+import pytest
+import torch
+from torch import nn
+
+import fx_fastprefill
+from examples.blocks import Attention
+
+
+class Variant(nn.Module):
+    """One attention layer that computes its own K/V, one that shares it; ``ending`` picks how
+    the logits are formed."""
+
+    def __init__(self, ending: str):
+        super().__init__()
+        self.vocab_size, self.ending = 64, ending
+        self.embed = nn.Embedding(64, 32)
+        self.a = Attention("a", 32, 4, 2, 8)
+        self.b = Attention("b", 32, 4, 2, 8, kv_source="a")
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, input_ids, positions, logits_indices):
+        h = self.embed(input_ids)
+        h = h + self.a(h, positions)
+        h = h + self.b(h, positions)
+        if self.ending == "all_rows":
+            return self.head(h)
+        if self.ending == "two_token_counts":
+            return self.head(h[logits_indices] + torch.cat([h, h])[logits_indices])
+        if self.ending == "flattened_output":
+            return self.head(h[logits_indices]).reshape(-1)
+        if self.ending == "row_mixing_after_last_layer":
+            h = h + 0.1 * h.cumsum(0)
+        return self.head(h[logits_indices])
+
+
+@pytest.mark.parametrize("ending, reason", [
+    ("all_rows", "no row selection to hoist"),
+    # the last hidden state also feeds an op on all rows (a gather of 2T rows): nothing can move
+    ("two_token_counts", "the hoist stopped before any attention layer: "),
+    ("flattened_output", "is computed from the logits rows but does not keep them on one dim"),
+    ("row_mixing_after_last_layer", "the hoist stopped before any attention layer"),
+])
+def test_left_unchanged_with_the_reason(ending, reason):
+    torch.manual_seed(0)
+    model = Variant(ending)
+    backend = fx_fastprefill.backend(compiler="eager")
+    fast = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=16, max_model_len=32)
+    ref = fx_fastprefill.Runner(model, max_num_tokens=16, max_model_len=32)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    torch.testing.assert_close(fast.prefill(prompts), ref.prefill(prompts), rtol=1e-4, atol=1e-4)
+    report = backend.reports[0]
+    assert not report.cut and reason in report.reason, report.reason
+    assert report.eligible_layers == ["b"]  # the analysis of the layers still stands
+
+
+def test_row_mixing_op_is_named_where_the_hoist_stopped():
+    torch.manual_seed(0)
+    backend = fx_fastprefill.backend(compiler="eager")
+    fx_fastprefill.Runner(Variant("row_mixing_after_last_layer"), backend=backend, max_num_tokens=16).prefill([[1, 2, 3]])
+    assert "aten.cumsum" in backend.reports[0].reason
+
+
+def test_fast_prefill_false_is_the_baseline():
+    torch.manual_seed(0)
+    backend = fx_fastprefill.backend(compiler="eager", fast_prefill=False)
+    fx_fastprefill.Runner(Variant("gather"), backend=backend, max_num_tokens=16).prefill([[1, 2, 3]])
+    assert not backend.reports[0].cut and backend.reports[0].reason == "fast_prefill=False"

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .reference_attention import reference_attention, write_kv_rows
+from .reference_attention import prepare_kv, reference_attention, write_kv_rows
+from .varlen_attention import flash_supported, flash_varlen_kernel, varlen_attention
 from .step_context import current_step
 
 OP_NAMESPACE = "fx_fastprefill"
@@ -77,8 +78,13 @@ def attention_op(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_s
                  sliding_window: int | None, scale: float | None, query_rows: Tensor | None,
                  kv_written: Tensor | None) -> Tensor:
     _check_arguments(q, k, v, layer, kv_source, sliding_window, query_rows)
-    return reference_attention(q, k, v, layer, kv_source, sliding_window, scale, query_rows,
-                               kv_written is not None, _require_step(layer))
+    step = _require_step(layer)
+    keys, values = prepare_kv(q, k, v, layer, kv_source, kv_written is not None, step)
+    if flash_supported(q):
+        out = varlen_attention(q, k, v, keys, values, sliding_window, scale, query_rows, step, flash_varlen_kernel)
+        if out is not None:
+            return out
+    return reference_attention(q, k, v, keys, values, sliding_window, scale, query_rows, step)
 
 
 @attention_op.register_fake

@@ -52,11 +52,13 @@ def write_kv_rows(k: Tensor, v: Tensor, layer: str, step: StepMetadata) -> None:
     step.kv_cache.last_write_step[layer] = step.step_id
 
 
-def reference_attention(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_source: str | None,
-                        sliding_window: int | None, scale: float | None, query_rows: Tensor | None,
-                        kv_written: bool, step: StepMetadata) -> Tensor:
-    """``kv_written``: this step's rows were already written by a write_kv node (the compiled
-    form); the call then reads earlier steps' keys from the cache and this step's from ``k, v``."""
+def prepare_kv(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_source: str | None,
+               kv_written: bool, step: StepMetadata) -> tuple[Tensor | None, Tensor | None]:
+    """Checks, the eager form's own cache write, and the cache arrays the call reads (None when
+    it needs none: no cached prefix and its K/V in hand).
+
+    ``kv_written``: this step's rows were already written by a write_kv node (the compiled form);
+    the call then reads earlier steps' keys from the cache and this step's from ``k, v``."""
     cache = step.kv_cache
     num_tokens = step.num_tokens
     if k is not None and k.shape[0] != num_tokens:
@@ -69,15 +71,21 @@ def reference_attention(q: Tensor, k: Tensor | None, v: Tensor | None, layer: st
             f"attention layer {layer!r} reads kv_source={kv_source!r}, which has not written its cache in this "
             "step: a KV-sharing layer must run after its source layer"
         )
-    needs_cache = k is None or any(c > 0 for c in step.context_lens)
-    keys = values = None
-    if needs_cache:
-        keys, values = cache.source_arrays(cache_layer, layer)
-        if q.shape[1] % keys.shape[1] != 0 or q.shape[2] != keys.shape[2]:
-            raise ValueError(
-                f"attention layer {layer!r} has q of {q.shape[1]} heads x {q.shape[2]} but the cache it reads "
-                f"({cache_layer!r}) holds {keys.shape[1]} heads x {keys.shape[2]}"
-            )
+    if not (k is None or any(c > 0 for c in step.context_lens)):
+        return None, None
+    keys, values = cache.source_arrays(cache_layer, layer)
+    if q.shape[1] % keys.shape[1] != 0 or q.shape[2] != keys.shape[2]:
+        raise ValueError(
+            f"attention layer {layer!r} has q of {q.shape[1]} heads x {q.shape[2]} but the cache it reads "
+            f"({cache_layer!r}) holds {keys.shape[1]} heads x {keys.shape[2]}"
+        )
+    return keys, values
+
+
+def reference_attention(q: Tensor, k: Tensor | None, v: Tensor | None, keys: Tensor | None, values: Tensor | None,
+                        sliding_window: int | None, scale: float | None, query_rows: Tensor | None,
+                        step: StepMetadata) -> Tensor:
+    """Per request, in float32; ``keys, values`` are the cache arrays from :func:`prepare_kv`."""
     new_k, new_v = k, v
 
     seq_of_query, query_pos = _query_selection(step, query_rows, q.shape[0], q.device)

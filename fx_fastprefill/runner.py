@@ -180,6 +180,7 @@ class Runner:
             num_logits=len(rows),
             has_prefill=len(rows) < num_tokens,
             step_id=self._step_id,
+            logits_rows=list(rows),
         )
         input_ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(r.num_computed, r.num_computed + len(c.tokens)) for r, c in zip(requests, chunks)]).to(self.device)

@@ -36,6 +36,9 @@ class StepMetadata:
     step_id: int = 0
     # Set when a mode that cannot hold a reduced batch is asked for (one CUDA graph for the step).
     whole_step_graph: bool = False
+    # The real logits rows (before padding), when the caller knows them: lets a varlen kernel run
+    # the query-subset form without reading the row indices back from the device.
+    logits_rows: list[int] | None = None
     # Lazily built tensors, shared by every attention call of the step.
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 

@@ -1,0 +1,128 @@
+"""The attention op on variable-length kernels: FlashAttention-2 varlen on CUDA.
+
+The kernel (``aten._flash_attention_forward``, in torch 2.11 and 2.13) takes packed queries and
+keys with cumulative offsets, native GQA, a left window, and aligns causal masking bottom-right
+when a sequence has fewer queries than keys: exactly the query-subset form, where a request's
+logits rows are a suffix of its rows. This file builds that packing from the step metadata; the
+kernel is a parameter so the packing is tested on the CPU against the reference with an emulation
+(:func:`emulated_varlen_kernel`) that follows the kernel's documented semantics.
+
+Keys come from the graph (this step's K/V) when no request has a cached prefix, else from the
+cache, where ``write_kv`` has already stored this step's rows next to the prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .step_context import StepMetadata
+
+Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, float, int | None], Tensor]
+
+
+@dataclass
+class VarlenPacking:
+    cu_q: Tensor                  # int32 [n + 1]
+    cu_k: Tensor                  # int32 [n + 1]
+    max_q: int
+    max_k: int
+    key_slots: Tensor | None      # int64 [sum k]: cache slots of the packed keys; None: this step's rows
+    num_real_queries: int         # queries past this are padding copies of the last real one
+
+
+def packing(step: StepMetadata, query_rows: Tensor | None, device) -> VarlenPacking | None:
+    """The packing of one attention call; None when the call's query rows are not known on the host."""
+    n = step.num_seqs
+    new = [step.query_start[i + 1] - step.query_start[i] for i in range(n)]
+    if query_rows is None or query_rows.shape[0] == step.num_tokens:
+        per_seq_q = new  # every row (also the full-rows path of the reduced region: rows = arange(T))
+    elif step.logits_rows is not None:
+        per_seq_q = [0] * n
+        for row in step.logits_rows:
+            per_seq_q[_request_of(step, row)] += 1
+    else:
+        return None
+    cached = any(c > 0 for c in step.context_lens)
+    per_seq_k = [c + m for c, m in zip(step.context_lens, new)]
+    key = ("varlen", tuple(per_seq_q), cached, str(device))
+    if key not in step._tensors:
+        cu_q = torch.tensor([0] + _cumsum(per_seq_q), dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0] + _cumsum(per_seq_k), dtype=torch.int32, device=device)
+        slots = None
+        if cached:
+            slots = torch.cat([torch.arange(b, b + k) for b, k in zip(step.slot_base, per_seq_k)]).to(device)
+        step._tensors[key] = VarlenPacking(cu_q, cu_k, max(per_seq_q, default=0), max(per_seq_k, default=0), slots,
+                                           sum(per_seq_q))
+    return step._tensors[key]
+
+
+def _request_of(step: StepMetadata, row: int) -> int:
+    for i in range(step.num_seqs):
+        if step.query_start[i] <= row < step.query_start[i + 1]:
+            return i
+    raise IndexError(f"logits row {row} is outside the step's {step.num_tokens} rows")
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def varlen_attention(q: Tensor, k: Tensor | None, v: Tensor | None, keys_cache: Tensor | None, values_cache: Tensor | None,
+                     sliding_window: int | None, scale: float | None, query_rows: Tensor | None,
+                     step: StepMetadata, kernel: Kernel) -> Tensor | None:
+    """``q [Tq, H, D]`` against this step's ``k, v`` or the cache; None when the packing is unknown."""
+    pack = packing(step, query_rows, q.device)
+    if pack is None:
+        return None
+    if pack.key_slots is None:
+        if k is None:
+            return None  # a sharing layer without its source's rows in the graph: read the cache instead
+        keys, values = k, v
+    else:
+        keys, values = keys_cache[pack.key_slots].to(q.dtype), values_cache[pack.key_slots].to(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    real = q[: pack.num_real_queries]
+    out = kernel(real, keys, values, pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, scale, sliding_window)
+    if pack.num_real_queries < q.shape[0]:  # padded rows repeat the last real row; their results are dropped
+        out = torch.cat([out, out[-1:].expand(q.shape[0] - pack.num_real_queries, *out.shape[1:])])
+    return out
+
+
+def flash_varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, sliding_window):
+    """FlashAttention-2 varlen through aten (CUDA, fp16 / bf16)."""
+    left = -1 if sliding_window is None else sliding_window - 1
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
+        window_size_left=left, window_size_right=0)[0]
+
+
+def emulated_varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, sliding_window):
+    """What the flash kernel computes, in plain float32: per sequence, queries aligned bottom-right."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    group = q.shape[1] // k.shape[1]
+    for i in range(cu_q.shape[0] - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]))
+        if q1 == q0:
+            continue
+        qs, ks = q[q0:q1].float(), k[k0:k1].float().repeat_interleave(group, 1)
+        vs = v[k0:k1].float().repeat_interleave(group, 1)
+        pos = torch.arange(q1 - q0) + (k1 - k0) - (q1 - q0)
+        key_pos = torch.arange(k1 - k0)
+        allowed = key_pos[None] <= pos[:, None]
+        if sliding_window is not None:
+            allowed &= key_pos[None] > pos[:, None] - sliding_window
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed[None], float("-inf")).softmax(-1), vs).to(out.dtype)
+    return out
+
+
+def flash_supported(q: Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0

@@ -57,12 +57,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim)
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
 
-    def forward(self, x, positions):
+    def forward(self, x, positions, query_rows=None):
         q = rope(self.q_norm(self.q_proj(x).view(-1, self.n_heads, self.head_dim)), positions)
         k = v = None
         if self.kv_source is None:
             k = rope(self.k_norm(self.k_proj(x).view(-1, self.n_kv_heads, self.head_dim)), positions)
             v = self.v_proj(x).view(-1, self.n_kv_heads, self.head_dim)
         out = fx_fastprefill.attention(q, k, v, layer=self.name, kv_source=self.kv_source,
-                                       sliding_window=self.sliding_window)
+                                       sliding_window=self.sliding_window, query_rows=query_rows)
         return self.o_proj(out.reshape(-1, self.n_heads * self.head_dim))

@@ -74,11 +74,11 @@ class Layer(nn.Module):
         self.per_layer_gate = nn.Linear(cfg.dim, cfg.per_layer_dim, bias=False)
         self.per_layer_proj = nn.Linear(cfg.per_layer_dim, cfg.dim, bias=False)
 
-    def forward(self, streams, per_layer_input, positions):
+    def forward(self, streams, per_layer_input, positions, query_rows=None):
         # streams: [S, T, D]. AltUp: predict every stream, run the block on stream 0, correct all.
         predicted = torch.einsum("st,tnd->snd", self.predict, streams)
         x = predicted[0]
-        x = x + self.attn(self.attn_norm(x), positions)
+        x = x + self.attn(self.attn_norm(x), positions, query_rows)
         x = x + self.mlp(self.mlp_norm(x))
         corrected = predicted + self.correct[:, None, None] * (x - predicted[0])[None]
         gate = F.gelu(self.per_layer_gate(x), approximate="tanh") * per_layer_input
@@ -86,9 +86,15 @@ class Layer(nn.Module):
 
 
 class Gemma3nLike(nn.Module):
-    def __init__(self, cfg: Config = Config()):
+    """``hand_split=True``: the split a manual port writes (what vLLM and transformers hand-code):
+    the layers before the KV-sharing run on all rows, then the rows needing logits are gathered and
+    the sharing layers run on them only."""
+
+    def __init__(self, cfg: Config = Config(), hand_split: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.hand_split = hand_split
+        self.first_shared = cfg.n_layers - cfg.num_kv_shared_layers
         self.vocab_size = cfg.vocab_size
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.stream_up = nn.Linear(cfg.dim, (cfg.num_streams - 1) * cfg.dim, bias=False)
@@ -103,9 +109,13 @@ class Gemma3nLike(nn.Module):
         h = self.embed(input_ids) * cfg.dim ** 0.5
         per_layer = (self.per_layer_embed(input_ids) + self.per_layer_from_hidden(h)).view(-1, cfg.n_layers, cfg.per_layer_dim)
         streams = torch.cat([h[None], self.stream_up(h).view(-1, cfg.num_streams - 1, cfg.dim).transpose(0, 1)])
+        rows = None
         for i, layer in enumerate(self.layers):
-            streams = layer(streams, per_layer[:, i], positions)
-        h = streams.mean(0)[logits_indices]
+            if self.hand_split and i == self.first_shared:
+                streams, per_layer, positions = streams[:, logits_indices], per_layer[logits_indices], positions[logits_indices]
+                rows = logits_indices
+            streams = layer(streams, per_layer[:, i], positions, rows)
+        h = streams.mean(0) if rows is not None else streams.mean(0)[logits_indices]
         logits = self.head(self.norm(h))
         return torch.tanh(logits / cfg.softcap) * cfg.softcap
 

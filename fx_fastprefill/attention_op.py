@@ -96,14 +96,16 @@ def _attention_fake(q, k, v, layer, kv_source, sliding_window, scale, query_rows
 
 def attention(q: Tensor, k: Tensor | None = None, v: Tensor | None = None, *, layer: str,
               kv_source: str | None = None, sliding_window: int | None = None,
-              scale: float | None = None) -> Tensor:
+              scale: float | None = None, query_rows: Tensor | None = None) -> Tensor:
     """Causal attention of a packed batch ``q [T, Hq, D]`` against this step's keys and the cache.
 
     A layer that computes its own K/V passes ``k, v [T, Hkv, D]``; they are written to its cache.
     A KV-sharing layer passes ``k=None, v=None, kv_source=<layer whose cache it reads>``.
     ``sliding_window=w`` lets a query see the ``w`` most recent positions, itself included.
+    ``query_rows`` (a model split by hand) says which batch rows ``q`` holds: a suffix of each
+    request's rows, e.g. ``logits_indices``; each query keeps its position.
     """
-    return torch.ops.fx_fastprefill.attention(q, k, v, layer, kv_source, sliding_window, scale, None, None)
+    return torch.ops.fx_fastprefill.attention(q, k, v, layer, kv_source, sliding_window, scale, query_rows, None)
 
 
 ATTENTION_OP = torch.ops.fx_fastprefill.attention.default

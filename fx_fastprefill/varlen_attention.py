@@ -34,7 +34,7 @@ class VarlenPacking:
     num_real_queries: int         # queries past this are padding copies of the last real one
 
 
-def packing(step: StepMetadata, query_rows: Tensor | None, device) -> VarlenPacking | None:
+def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cache: bool = False) -> VarlenPacking | None:
     """The packing of one attention call; None when the call's query rows are not known on the host."""
     n = step.num_seqs
     new = [step.query_start[i + 1] - step.query_start[i] for i in range(n)]
@@ -46,7 +46,7 @@ def packing(step: StepMetadata, query_rows: Tensor | None, device) -> VarlenPack
             per_seq_q[_request_of(step, row)] += 1
     else:
         return None
-    cached = any(c > 0 for c in step.context_lens)
+    cached = keys_from_cache or any(c > 0 for c in step.context_lens)
     per_seq_k = [c + m for c, m in zip(step.context_lens, new)]
     key = ("varlen", tuple(per_seq_q), cached, str(device))
     if key not in step._tensors:
@@ -79,12 +79,11 @@ def varlen_attention(q: Tensor, k: Tensor | None, v: Tensor | None, keys_cache: 
                      sliding_window: int | None, scale: float | None, query_rows: Tensor | None,
                      step: StepMetadata, kernel: Kernel) -> Tensor | None:
     """``q [Tq, H, D]`` against this step's ``k, v`` or the cache; None when the packing is unknown."""
-    pack = packing(step, query_rows, q.device)
+    # A sharing layer called without its source's rows (eager, or a hand-split model) reads the cache.
+    pack = packing(step, query_rows, q.device, keys_from_cache=k is None)
     if pack is None:
         return None
     if pack.key_slots is None:
-        if k is None:
-            return None  # a sharing layer without its source's rows in the graph: read the cache instead
         keys, values = k, v
     else:
         keys, values = keys_cache[pack.key_slots].to(q.dtype), values_cache[pack.key_slots].to(q.dtype)

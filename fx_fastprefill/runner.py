@@ -78,8 +78,6 @@ class Runner:
             raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
         if not isinstance(max_model_len, int) or max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
@@ -88,15 +86,31 @@ class Runner:
         self.vocab_size = _vocab_size(model)
         self.logits_pad_sizes = list(_power_of_two_buckets(max_num_tokens) if logits_pad_sizes is None else sorted(logits_pad_sizes))
         self.backend = self._resolve_backend(backend)
-        # A compiled model never sees one token: Dynamo specializes size 1, so a lone decode token is
-        # padded with a row of a padding request that owns a KV region of its own.
-        self.kv_cache = KVCache(max_num_seqs + (self.backend is not None), max_model_len, self.device, dtype)
-        self._padding = _Request(-1, [], 0, self.kv_cache.allocate_region()) if self.backend is not None else None
         self._forward: Callable = model if self.backend is None else compile_for_varying_sizes(model, self.backend)
         self._requests: dict[int, _Request] = {}
+        self.resize_kv_cache(max_num_seqs, max_model_len)
         self._next_seq_id = 0
         self._step_id = 0
         self.steps_run = 0
+
+    def resize_kv_cache(self, max_num_seqs: int, max_model_len: int) -> None:
+        """A new, empty KV cache for at most ``max_num_seqs`` requests of ``max_model_len`` tokens.
+
+        The compiled model is kept (a benchmark sweeps shapes without recompiling); every request
+        must have been freed first.
+        """
+        if self._requests:
+            raise RuntimeError(f"resize_kv_cache: requests {sorted(self._requests)} still hold the cache; free them first")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        self.max_model_len = max_model_len
+        # A compiled model never sees one token: Dynamo specializes size 1, so a lone decode token is
+        # padded with a row of a padding request that owns a KV region of its own.
+        self.kv_cache = None  # let the old arrays go before the new ones are allocated
+        self.kv_cache = KVCache(max_num_seqs + (self.backend is not None), max_model_len, self.device, self.dtype)
+        self._padding = _Request(-1, [], 0, self.kv_cache.allocate_region()) if self.backend is not None else None
 
     @staticmethod
     def _resolve_backend(backend: Any) -> Any:

@@ -24,7 +24,7 @@ import torch
 from torch.fx import Node
 
 from fx_fastprefill.attention_op import ATTENTION_OP, K, KV_WRITTEN, Q, QUERY_ROWS, V
-from fx_fastprefill.sdpa_op import SDPA_K, SDPA_MASK, SDPA_OP, SDPA_Q, SDPA_QUERY_SUFFIX, SDPA_V
+from fx_fastprefill.sdpa_op import SDPA_IS_CAUSAL, SDPA_K, SDPA_MASK, SDPA_OP, SDPA_Q, SDPA_QUERY_SUFFIX, SDPA_V
 
 from .token_layout import Layout, depends_on, map_view_layout, shape_exprs
 
@@ -440,6 +440,9 @@ def _sdpa(node, layout, rows):
     if node.args[SDPA_QUERY_SUFFIX]:
         return "attention already runs on a subset of its queries"
     q, k, v, mask = (node.args[i] for i in (SDPA_Q, SDPA_K, SDPA_V, SDPA_MASK))
+    if node.args[SDPA_IS_CAUSAL] and sympy.simplify(_shape(q)[-2] - _shape(k)[-2]) != 0:
+        # SDPA aligns is_causal top-left; the suffix form aligns bottom-right: equal only when Lq == Lk.
+        return "causal attention with fewer queries than keys (top-left aligned)"
     result = RuleResult([Requirement(("args", SDPA_Q), q, layout), Requirement(("args", SDPA_K), k, None),
                          Requirement(("args", SDPA_V), v, None)], {("args", SDPA_QUERY_SUFFIX): True})
     if isinstance(mask, Node):

@@ -101,3 +101,36 @@ def test_gemma4_with_its_own_hand_slicing_still_matches():
     model = Compiled(hf_gemma4, hand_slicing=True)
     ids, mask = model.batch([15, 9], seed=4)
     assert check_prefill(model.model, model.forward, ids, mask) <= 1e-5
+
+
+def test_plain_sdpa_model_with_causal_flag_matches():
+    """A hand-written SDPA model (no transformers mask: is_causal=True) keeps its alignment when cut."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 50)
+            self.qkv = nn.ModuleList(nn.Linear(16, 48) for _ in range(3))
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            kv = None
+            for i, proj in enumerate(self.qkv):
+                q, k, v = proj(h).view(*h.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
+                kv = (k, v) if i < 2 else kv  # the last layer reads the K/V of layer 1
+                h = h + F.scaled_dot_product_attention(q, *kv, is_causal=True).transpose(1, 2).reshape(h.shape)
+            return self.head(h[:, -2:])
+
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    backend = fx_fastprefill.backend(compiler="eager")
+    forward = torch.compile(model, backend=backend, dynamic=True)
+    ids = torch.randint(0, 50, (3, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(forward(ids), model(ids), rtol=1e-5, atol=1e-5)
+    report = backend.reports[-1]
+    # Calls outside any submodule are named by their order; the cut reaches layer 1's queries.
+    assert report.cut and report.eligible_layers == ["sdpa_2"], report.explain()
+    assert report.reduced_layers == ["sdpa_1", "sdpa_2"]

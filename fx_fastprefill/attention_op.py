@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .reference_attention import prepare_kv, reference_attention, write_kv_rows
+from .split_kv_attention import HAS_TRITON, split_kv_attention
 from .varlen_attention import flash_supported, flash_varlen_kernel, varlen_attention
 from .step_context import current_step
 
@@ -81,7 +82,8 @@ def attention_op(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_s
     step = _require_step(layer)
     keys, values = prepare_kv(q, k, v, layer, kv_source, kv_written is not None, step)
     if flash_supported(q):
-        out = varlen_attention(q, k, v, keys, values, sliding_window, scale, query_rows, step, flash_varlen_kernel)
+        out = varlen_attention(q, k, v, keys, values, sliding_window, scale, query_rows, step, flash_varlen_kernel,
+                               split_kv_attention if HAS_TRITON else None)
         if out is not None:
             return out
     return reference_attention(q, k, v, keys, values, sliding_window, scale, query_rows, step)

@@ -21,6 +21,9 @@ from torch import Tensor
 
 from .step_context import StepMetadata
 
+# Requests with at most this many queries go to the split-KV kernel (split_kv_attention.py).
+SPLIT_KV_MAX_QUERIES = 4
+
 Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, float, int | None], Tensor]
 
 
@@ -32,6 +35,11 @@ class VarlenPacking:
     max_k: int
     key_slots: Tensor | None      # int64 [sum k]: cache slots of the packed keys; None: this step's rows
     num_real_queries: int         # queries past this are padding copies of the last real one
+    # Per query (the split-KV kernel's view): where its request's keys start in the packed keys,
+    # how many there are, and the query's position among them.
+    query_key_start: Tensor | None = None
+    query_key_len: Tensor | None = None
+    query_position: Tensor | None = None
 
 
 def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cache: bool = False) -> VarlenPacking | None:
@@ -55,8 +63,16 @@ def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cac
         slots = None
         if cached:
             slots = torch.cat([torch.arange(b, b + k) for b, k in zip(step.slot_base, per_seq_k)]).to(device)
+        starts, lengths, positions = [], [], []
+        offset = 0
+        for nq, nk in zip(per_seq_q, per_seq_k):
+            starts += [offset] * nq
+            lengths += [nk] * nq
+            positions += list(range(nk - nq, nk))  # a request's queries are the suffix of its keys
+            offset += nk
+        per_query = [torch.tensor(x, dtype=torch.int32, device=device) for x in (starts, lengths, positions)]
         step._tensors[key] = VarlenPacking(cu_q, cu_k, max(per_seq_q, default=0), max(per_seq_k, default=0), slots,
-                                           sum(per_seq_q))
+                                           sum(per_seq_q), *per_query)
     return step._tensors[key]
 
 
@@ -77,8 +93,11 @@ def _cumsum(values: list[int]) -> list[int]:
 
 def varlen_attention(q: Tensor, k: Tensor | None, v: Tensor | None, keys_cache: Tensor | None, values_cache: Tensor | None,
                      sliding_window: int | None, scale: float | None, query_rows: Tensor | None,
-                     step: StepMetadata, kernel: Kernel) -> Tensor | None:
-    """``q [Tq, H, D]`` against this step's ``k, v`` or the cache; None when the packing is unknown."""
+                     step: StepMetadata, kernel: Kernel, split_kv_kernel: Callable | None = None) -> Tensor | None:
+    """``q [Tq, H, D]`` against this step's ``k, v`` or the cache; None when the packing is unknown.
+
+    ``split_kv_kernel`` (when given) takes calls whose requests have at most
+    ``SPLIT_KV_MAX_QUERIES`` queries each: the logits rows of a prefill, and decode."""
     # A sharing layer called without its source's rows (eager, or a hand-split model) reads the cache.
     pack = packing(step, query_rows, q.device, keys_from_cache=k is None)
     if pack is None:
@@ -89,7 +108,11 @@ def varlen_attention(q: Tensor, k: Tensor | None, v: Tensor | None, keys_cache: 
         keys, values = keys_cache[pack.key_slots].to(q.dtype), values_cache[pack.key_slots].to(q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     real = q[: pack.num_real_queries]
-    out = kernel(real, keys, values, pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, scale, sliding_window)
+    if pack.max_q <= SPLIT_KV_MAX_QUERIES and split_kv_kernel is not None:
+        out = split_kv_kernel(real, keys, values, pack.query_key_start, pack.query_key_len, pack.query_position,
+                              scale, sliding_window)
+    else:
+        out = kernel(real, keys, values, pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, scale, sliding_window)
     if pack.num_real_queries < q.shape[0]:  # padded rows repeat the last real row; their results are dropped
         out = torch.cat([out, out[-1:].expand(q.shape[0] - pack.num_real_queries, *out.shape[1:])])
     return out

@@ -1,13 +1,21 @@
 """The varlen (FlashAttention) path of the attention op: its packing, tested on the CPU with an
 emulation of the kernel, and the real kernel on a GPU."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import fx_fastprefill
 from fx_fastprefill import SeqChunk, attention_op
+from fx_fastprefill.split_kv_attention import split_kv_attention
 from fx_fastprefill.varlen_attention import emulated_varlen_kernel
 from examples.gemma3n import Config, Gemma3nLike
+
+ROOT = Path(__file__).resolve().parents[1]
 
 STEPS = [
     [SeqChunk(0, list(range(1, 15)), 1), SeqChunk(1, list(range(5, 25)), 0)],          # fresh prompts
@@ -27,23 +35,48 @@ def model():
     return Gemma3nLike(Config(n_layers=7, pattern=3, num_kv_shared_layers=3, sliding_window=5))
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_packing_matches_the_reference_with_an_emulated_kernel(monkeypatch, compiled):
+def compare(compiled: bool, split_kv: bool, patch) -> int:
+    """Runs STEPS through the varlen path (FlashAttention emulated; the split-KV kernel real, on
+    the CPU under TRITON_INTERPRET=1, when ``split_kv``) and checks them against the reference.
+    Returns how many attention calls went to each kernel."""
     m = model()
     expected = run(m, None, STEPS)
-    calls = []
+    calls = {"flash": 0, "split_kv": 0}
 
-    def kernel(*args):
-        calls.append(args[4].shape[0])
+    def flash(*args):
+        calls["flash"] += 1
         return emulated_varlen_kernel(*args)
 
-    monkeypatch.setattr(attention_op, "flash_supported", lambda q: True)
-    monkeypatch.setattr(attention_op, "flash_varlen_kernel", kernel)
+    def split(*args):
+        calls["split_kv"] += 1
+        return split_kv_attention(*args, split_len=16, block_n=16)
+
+    patch(attention_op, "flash_supported", lambda q: True)
+    patch(attention_op, "flash_varlen_kernel", flash)
+    patch(attention_op, "HAS_TRITON", split_kv)
+    if split_kv:
+        patch(attention_op, "split_kv_attention", split)
     backend = fx_fastprefill.backend(compiler="eager") if compiled else None
     got = run(m, backend, STEPS)
-    assert calls, "the varlen path never ran"
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    return calls
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_packing_matches_the_reference_with_an_emulated_kernel(monkeypatch, compiled):
+    calls = compare(compiled, False, monkeypatch.setattr)
+    assert calls["flash"] > 0 and calls["split_kv"] == 0
+
+
+def test_split_kv_kernel_in_the_triton_interpreter():
+    """The logits rows and decode rows of every step through the real split-KV kernel, interpreted."""
+    pytest.importorskip("triton")
+    script = ("from tests.test_varlen_attention import compare; "
+              "calls = compare(True, True, setattr); assert calls['split_kv'] > 0 and calls['flash'] > 0, calls; print(calls)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.gpu

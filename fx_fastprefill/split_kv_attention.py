@@ -1,0 +1,101 @@
+"""Split-KV attention for few queries against many keys (the query-subset form, and decode).
+
+FlashAttention-2 parallelises over queries; with one query per request a whole SM walks 8192 keys
+alone (0.31 ms on the H200, far from the memory bound). Here each (query, KV head, key split) is
+one program that reads its share of the keys once for every query head of its GQA group, keeps a
+running max / sum / output, and a second pass merges the splits (flash-decoding).
+
+Masking per query: keys of its own request only, ``key <= position`` and, with a window ``w``,
+``key > position - w``. Runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU wheel of torch comes without Triton
+    triton = None
+
+HAS_TRITON = triton is not None
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kv_kernel(q_ptr, k_ptr, v_ptr, key_start_ptr, key_len_ptr, pos_ptr, out_ptr, m_ptr, l_ptr,
+                         scale, window, num_splits,
+                         stride_qr, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        num_kv_heads = tl.num_programs(1)
+        key_start = tl.load(key_start_ptr + row)
+        key_len = tl.load(key_len_ptr + row)
+        pos = tl.load(pos_ptr + row)
+        lo = split * SPLIT_LEN
+        hi = tl.minimum(lo + SPLIT_LEN, tl.minimum(key_len, pos + 1))
+        if HAS_WINDOW:
+            lo = tl.maximum(lo, pos - window + 1)
+        heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+        head_ok = tl.arange(0, GROUP_PAD) < GROUP
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for offset in range(0, SPLIT_LEN, BLOCK_N):  # a fixed trip count; keys past hi are masked
+            keys = split * SPLIT_LEN + offset + tl.arange(0, BLOCK_N)
+            key_ok = (keys >= lo) & (keys < hi)
+            offs = (key_start + keys)[:, None]
+            k = tl.load(k_ptr + offs * stride_kn + kv_head * stride_kh + dims[None, :], mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + offs * stride_vn + kv_head * stride_vh + dims[None, :], mask=key_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.where(key_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m = m_new
+        base = (row * num_kv_heads * GROUP + heads) * num_splits + split
+        tl.store(out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None])
+        tl.store(m_ptr + base, m, mask=head_ok)
+        tl.store(l_ptr + base, l, mask=head_ok)
+
+
+def split_kv_attention(q: Tensor, k: Tensor, v: Tensor, key_start: Tensor, key_len: Tensor, position: Tensor,
+                       scale: float, sliding_window: int | None, split_len: int = 512, block_n: int = 64) -> Tensor:
+    """``q [R, H, D]``; query ``r`` reads keys ``k[key_start[r] : key_start[r] + key_len[r]]`` of
+    ``k, v [N, Hkv, D]`` and sits at ``position[r]`` among them. Returns ``[R, H, D]``."""
+    if triton is None:
+        raise RuntimeError("split_kv_attention needs Triton")
+    rows, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    max_keys = int(key_len.max()) if rows else 0
+    num_splits = max(1, math.ceil(max_keys / split_len))
+    partial = torch.empty(rows, heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+    m = torch.empty(rows, heads, num_splits, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    if rows:
+        _split_kv_kernel[(rows, kv_heads, num_splits)](
+            q, k, v, key_start, key_len, position, partial, m, l,
+            scale, sliding_window or 0, num_splits,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            SPLIT_LEN=split_len, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None)
+    # Merge the splits: rescale each by exp(m_split - m_max).
+    m_max = m.amax(-1, keepdim=True)
+    weight = torch.exp(m - torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max))
+    weight = torch.where(torch.isinf(m), torch.zeros_like(weight), weight)
+    total = (l * weight).sum(-1)
+    out = (partial * weight[..., None]).sum(-2) / total[..., None]
+    return out.to(q.dtype)

@@ -5,7 +5,8 @@ Records the torch / Triton / transformers versions, the signatures of ``varlen_a
 package gates on features), and times the attention forms the package needs at Gemma shapes
 (bf16, 8 query heads, 2 KV heads, head dim 256): full causal prefill, sliding window, and the
 query-subset form (R queries against all keys, bottom-right causal). Each kernel is checked
-against a float32 reference first.
+against a float32 reference first. The split-KV Triton kernel of the query-subset form is timed
+beside FlashAttention's.
 
     PYTHONPATH=. python3 benchmarks/probe_cuda.py --out results.json
 """
@@ -20,6 +21,8 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+
+from fx_fastprefill.split_kv_attention import HAS_TRITON, split_kv_attention
 
 
 def timed_ms(fn, warmup: int = 3, runs: int = 10) -> float:
@@ -118,6 +121,14 @@ def main() -> None:
                                 "ms": timed_ms(lambda: (k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)))})
                 timings.append({"shape": shape, "window": window, "form": "query_subset_R=seqs",
                                 "ms": timed_ms(lambda: flash_varlen(q[last], k, v, cu_r, cu, 1, seq_len, window))})
+                if HAS_TRITON:
+                    starts, lens = cu[:-1].clone(), torch.full((seqs,), seq_len, device=dev, dtype=torch.int32)
+                    pos = lens - 1
+                    split = split_kv_attention(q[last], k, v, starts, lens, pos, 1 / math.sqrt(D), window)
+                    ref = reference(q[last[-1:]], k[T - seq_len:], v[T - seq_len:], torch.tensor([seq_len - 1], device=dev), seq_len, window)
+                    checks[f"split_kv {tag}"] = (split[-1:].float() - ref).abs().max().item()
+                    timings.append({"shape": shape, "window": window, "form": "split_kv_R=seqs",
+                                    "ms": timed_ms(lambda: split_kv_attention(q[last], k, v, starts, lens, pos, 1 / math.sqrt(D), window))})
                 if window is None and seqs == 1:
                     qb, kb, vb = (x.transpose(0, 1)[None] for x in (q, kr, vr))
                     timings.append({"shape": shape, "window": None, "form": "sdpa_dense_causal",

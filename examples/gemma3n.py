@@ -57,8 +57,12 @@ def kv_sources(cfg: Config) -> list[str | None]:
         if i < first_shared:
             sources.append(None)
         else:
-            j = max(j for j in range(first_shared) if layer_is_sliding(cfg, j) == layer_is_sliding(cfg, i))
-            sources.append(f"layers.{j}")
+            same_type = [j for j in range(first_shared) if layer_is_sliding(cfg, j) == layer_is_sliding(cfg, i)]
+            if not same_type:
+                kind = "sliding" if layer_is_sliding(cfg, i) else "full"
+                raise ValueError(f"Config: shared layer {i} is {kind}, but none of the {first_shared} layers before "
+                                 f"the sharing run is: lower num_kv_shared_layers or change pattern")
+            sources.append(f"layers.{same_type[-1]}")
     return sources
 
 

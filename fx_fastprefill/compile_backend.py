@@ -135,6 +135,8 @@ class FastPrefillBackend:
         reduced_attention = set(plan.reduced_attention)
         report.rows_symbol, report.reduced_rows_symbol = plan.rows, plan.reduced_rows
         report.cut = True
+        report.row_selection = ("rows by logits_indices" if plan.suffix is None else
+                                f"the last {plan.suffix} row{'s' if plan.suffix > 1 else ''} of each sequence (logits_to_keep)")
         report.reduced_layers = [a.layer for a in find_attention_nodes(gm.graph) if a.node in reduced_attention]
         report.gathered = [gathered(node, report) for node in stages["boundary"].nodes if "ffp_source" in node.meta]
         report.flops_cut = estimate_flops(gm, plan.rows, plan.reduced_rows, self.prompt_len)

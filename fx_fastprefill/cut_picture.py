@@ -67,7 +67,7 @@ def draw_cut(report: FastPrefillReport, path: str | Path, title: str = "") -> Pa
         first = min(index[name] for name in reduced if name in index)
         x = first - 0.1
         ax.plot([x, x], [-0.9, 2.9], linestyle="--", color="#b00000", linewidth=1.5)
-        ax.text(x, 3.0, "boundary: gather rows by logits_indices", ha="center", va="bottom", fontsize=8, color="#b00000")
+        ax.text(x, 3.0, f"boundary: gather {report.row_selection or 'the logits rows'}", ha="center", va="bottom", fontsize=8, color="#b00000")
         tx = min(x + 0.05, max(-0.7, n - 6.5))  # keep long names inside the figure
         ax.text(tx, -1.0, "gathered here (T -> R rows):", ha="left", va="top", fontsize=8, weight="bold")
         for k, g in enumerate(report.gathered):

@@ -47,6 +47,8 @@ class FastPrefillReport:
     eligible_layers: list[str] = field(default_factory=list)
     draft_layers: list[str] = field(default_factory=list)
     reduced_layers: list[str] = field(default_factory=list)
+    # How the logits rows are chosen: "rows by logits_indices" or "the last k rows of each sequence".
+    row_selection: str = ""
     gathered: list[GatheredTensor] = field(default_factory=list)
     stops: list[HoistStop] = field(default_factory=list)
     prompt_len: int = 0
@@ -74,6 +76,7 @@ class FastPrefillReport:
             "eligible_layers": list(self.eligible_layers),
             "draft_layers": list(self.draft_layers),
             "reduced_layers": list(self.reduced_layers),
+            "row_selection": self.row_selection,
             "gathered": [asdict(g) for g in self.gathered],
             "stops": [asdict(s) for s in self.stops],
             "prompt_len": self.prompt_len,
@@ -111,6 +114,8 @@ class FastPrefillReport:
         lines.append(f"attention layers: {len(self.attention_layers)}")
         lines.append(f"eligible layers (trailing KV-sharing run): {', '.join(self.eligible_layers) or 'none'}")
         lines.append(f"reduced layers (queries on logits rows): {', '.join(self.reduced_layers) or 'none'}")
+        if self.row_selection:
+            lines.append(f"logits rows: {self.row_selection}")
         lines.append("gathered at the boundary:")
         lines.extend(f"  {g}" for g in self.gathered)
         lines.append(f"prefill FLOPs removed at prompt length {self.prompt_len}: {100 * self.flops_removed_fraction:.1f}%")

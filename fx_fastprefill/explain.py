@@ -56,18 +56,6 @@ def convention(model: nn.Module) -> str:
         "forward(input_ids, positions, logits_indices) or a transformers causal LM with logits_to_keep")
 
 
-def _vocab(model: nn.Module) -> int:
-    config = getattr(model, "config", None)
-    for owner in (getattr(config, "text_config", None), config, model):
-        size = getattr(owner, "vocab_size", None)
-        if isinstance(size, int):
-            return size
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            return module.num_embeddings
-    raise ValueError(f"cannot tell the vocabulary size of {type(model).__name__}")
-
-
 def compile_and_report(model: nn.Module, *, prompt_len: int = 2048, draft_layers: tuple[str, ...] = (),
                        compiler: str = "eager", prompt_tokens: int = 12, num_prompts: int = 2) -> list[FastPrefillReport]:
     """Compile ``model`` with the pass on the CPU, run one small prefill, return its reports.
@@ -76,10 +64,12 @@ def compile_and_report(model: nn.Module, *, prompt_len: int = 2048, draft_layers
     eagerly (``compiler="eager"``): explaining a model takes seconds, not an Inductor build.
     """
     from .compile_backend import backend as make_backend
-    from .runner import Runner
+    from .runner import Runner, vocab_size_of
 
     backend = make_backend(draft_layers=draft_layers, prompt_len=prompt_len, compiler=compiler)
-    vocab = _vocab(model)
+    vocab = vocab_size_of(model)
+    if vocab is None:
+        raise ValueError(f"cannot tell the vocabulary size of {type(model).__name__}: give it a vocab_size attribute")
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(prompt_tokens - k)] for k in range(num_prompts)]
     if convention(model) == "flat":

@@ -23,10 +23,14 @@ from .step_context import StepMetadata, step_context
 log = logging.getLogger("fx_fastprefill")
 
 
-def _vocab_size(model: nn.Module) -> int | None:
-    size = getattr(model, "vocab_size", None)
-    if isinstance(size, int):
-        return size
+def vocab_size_of(model: nn.Module) -> int | None:
+    """The model's vocabulary size: a ``vocab_size`` attribute (its own, or its transformers
+    config's), else the first embedding's rows; None when there is neither."""
+    config = getattr(model, "config", None)
+    for owner in (model, getattr(config, "text_config", None), config):
+        size = getattr(owner, "vocab_size", None)
+        if isinstance(size, int):
+            return size
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             return module.num_embeddings
@@ -83,7 +87,7 @@ class Runner:
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.max_num_tokens = max_num_tokens
         self.max_model_len = max_model_len
-        self.vocab_size = _vocab_size(model)
+        self.vocab_size = vocab_size_of(model)
         self.logits_pad_sizes = list(_power_of_two_buckets(max_num_tokens) if logits_pad_sizes is None else sorted(logits_pad_sizes))
         self.backend = self._resolve_backend(backend)
         self._forward: Callable = model if self.backend is None else compile_for_varying_sizes(model, self.backend)

@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fx_fastprefill  # noqa: E402
+from benchmarks.timing import repeat_ms  # noqa: E402
 from examples import hf_gemma3n, hf_gemma4  # noqa: E402
 
 
@@ -57,21 +58,6 @@ def build(name: str, hand_slicing: bool):
         if not hand_slicing:
             hf_gemma4.without_hand_slicing(model)
     return model.to(device="cuda", dtype=torch.bfloat16).eval()
-
-
-def timed(fn, runs: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def main() -> None:
@@ -112,7 +98,7 @@ def main() -> None:
                     logits = call()
                     torch.cuda.synchronize()
                     record["first_call_s"] = time.perf_counter() - start
-                    times = timed(call, args.runs)
+                    times = repeat_ms(call, args.runs)
                     record["median_ms"] = statistics.median(times)
                     record["times_ms"] = times
                     record["logits_checksum"] = logits.float().abs().mean().item()

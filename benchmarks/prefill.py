@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fx_fastprefill  # noqa: E402
 from fx_fastprefill import SeqChunk  # noqa: E402
+from benchmarks.timing import repeat_ms  # noqa: E402
 from examples.gemma3n import PRESETS, Config, Gemma3nLike  # noqa: E402
 
 MODELS = {
@@ -36,26 +37,6 @@ MODELS = {
 }
 VARIANTS = ("eager", "inductor", "ffp", "ffp_cudagraph", "hand_split")
 SHAPES = ((1, 2048), (1, 8192), (1, 32768), (8, 4096), (64, 512))
-
-
-class Clock:
-    """Wall time of a call: CUDA events on the GPU, perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def time_ms(self, fn) -> float:
-        if not self.cuda:
-            start = time.perf_counter()
-            fn()
-            return 1e3 * (time.perf_counter() - start)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
 
 
 def make_runner(variant: str, cfg: Config, weights: dict, device, dtype, max_tokens: int) -> fx_fastprefill.Runner:
@@ -99,7 +80,7 @@ def main() -> None:
         device, dtype = torch.device("cuda"), torch.bfloat16
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     decode_batches = [int(b) for b in args.decode_batches.split(",") if b]
-    clock, records = Clock(device), []
+    cuda, records = device.type == "cuda", []
 
     def save():
         with open(args.out, "w") as f:
@@ -135,8 +116,7 @@ def main() -> None:
                     record["first_call_s"] = time.perf_counter() - start
                     record["includes_compile"] = first and variant != "eager"
                     first = False
-                    prefill_once(runner, batch, seq_len, cfg.vocab_size)  # warm-up
-                    times = [clock.time_ms(lambda: prefill_once(runner, batch, seq_len, cfg.vocab_size)) for _ in range(args.runs)]
+                    times = repeat_ms(lambda: prefill_once(runner, batch, seq_len, cfg.vocab_size), args.runs, warmup=1, cuda=cuda)
                     record.update(median_ms=statistics.median(times), times_ms=times)
                     if device.type == "cuda":
                         record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
@@ -151,15 +131,10 @@ def main() -> None:
             for batch in decode_batches if variant in ("inductor", "ffp") else ():
                 record = {**base, "batch": batch, "seq_len": 1, "context": 128, "phase": "decode"}
                 try:
-                    runner.resize_kv_cache(batch, 160)
+                    runner.resize_kv_cache(batch, 128 + args.runs + 2)
                     step = prepare_decode(runner, batch, cfg.vocab_size, 128)
-                    runner.step(step)  # warm-up (and the decode-size compile, if any)
-
-                    def one_decode():
-                        for c in step:  # the same position again: the cache row is rewritten
-                            runner._requests[c.seq_id].num_computed -= 1
-                        runner.step(step)
-                    times = [clock.time_ms(one_decode) for _ in range(args.runs)]
+                    # Consecutive decode steps (warm-up: the decode-size compile, if any).
+                    times = repeat_ms(lambda: runner.step(step), args.runs, warmup=1, cuda=cuda)
                     record.update(median_ms=statistics.median(times), times_ms=times)
                     for c in step:
                         runner.free(c.seq_id)

@@ -17,28 +17,23 @@ import argparse
 import inspect
 import json
 import math
+import statistics
+import sys
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from fx_fastprefill.split_kv_attention import HAS_TRITON, split_kv_attention
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.timing import repeat_ms  # noqa: E402
+from fx_fastprefill.split_kv_attention import HAS_TRITON, split_kv_attention  # noqa: E402
 
 
-def timed_ms(fn, warmup: int = 3, runs: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+def timed_ms(fn) -> float:
+    """Median of 10 timed calls after 3 warm-up calls."""
+    return statistics.median(repeat_ms(fn, runs=10))
 
 
 def reference(q, k, v, q_pos, k_len, window=None):

@@ -1,9 +1,9 @@
 """Prefill (and decode) of the flat-convention example at Gemma E2B shapes: every variant side by side.
 
 Variants: ``eager`` (no compile), ``inductor`` (``torch.compile`` default, no pass), ``ffp`` (the
-backend, Inductor regions), ``hand_split`` (the model split by hand at the KV-sharing boundary,
-``torch.compile`` default: what a manual port gets). ``ffp_cudagraph`` is listed and recorded as not
-implemented until piecewise CUDA graphs exist. Each prefill is one Runner step of fresh prompts, one
+backend, Inductor regions), ``ffp_cudagraph`` (the backend with piecewise CUDA graphs, every step
+size captured before the first prefill), ``hand_split`` (the model split by hand at the KV-sharing
+boundary, ``torch.compile`` default: what a manual port gets). Each prefill is one Runner step of fresh prompts, one
 logits row each; medians of ``--runs`` timed runs after warm-up, CUDA events; the first call of a
 variant is its compile time.
 
@@ -39,12 +39,16 @@ VARIANTS = ("eager", "inductor", "ffp", "ffp_cudagraph", "hand_split")
 SHAPES = ((1, 2048), (1, 8192), (1, 32768), (8, 4096), (64, 512))
 
 
-def make_runner(variant: str, cfg: Config, weights: dict, device, dtype, max_tokens: int) -> fx_fastprefill.Runner:
+def make_runner(variant: str, cfg: Config, weights: dict, device, dtype, max_tokens: int,
+                step_sizes: list[int]) -> fx_fastprefill.Runner:
     model = Gemma3nLike(cfg, hand_split=variant == "hand_split")
     model.load_state_dict(weights)
-    backend = {"eager": None, "inductor": "inductor", "hand_split": "inductor", "ffp": fx_fastprefill.backend()}[variant]
+    backend = {"eager": None, "inductor": "inductor", "hand_split": "inductor", "ffp": fx_fastprefill.backend(),
+               "ffp_cudagraph": fx_fastprefill.backend(cudagraphs=True)}[variant]
+    # The CUDA-graph variant captures exactly the step sizes the benchmark runs.
+    pad = {"token_pad_sizes": step_sizes} if variant == "ffp_cudagraph" else {}
     return fx_fastprefill.Runner(model, backend=backend, max_num_tokens=max_tokens, max_model_len=16, device=device,
-                                 dtype=dtype, max_num_seqs=1)
+                                 dtype=dtype, max_num_seqs=1, **pad)
 
 
 def prefill_once(runner: fx_fastprefill.Runner, batch: int, seq_len: int, vocab: int) -> None:
@@ -95,14 +99,15 @@ def main() -> None:
         for variant in args.variants.split(","):
             base = {"model": model_name, "variant": variant, "ideal_speedup": ideal, "device": str(device),
                     "torch": torch.__version__, "dtype": str(dtype).replace("torch.", "")}
-            if variant == "ffp_cudagraph":
-                records.append({**base, "error": "not implemented yet: piecewise CUDA graphs"})
-                continue
+            step_sizes = sorted({max(2, b * s) for b, s in shapes} | {max(2, b) for b in decode_batches})
             try:
-                runner = make_runner(variant, cfg, weights, device, dtype, max_tokens)
+                runner = make_runner(variant, cfg, weights, device, dtype, max_tokens, step_sizes)
+                capture_s = runner.capture(progress=False) if variant == "ffp_cudagraph" else None
             except Exception:  # noqa: BLE001 - recorded; the other variants still run
                 records.append({**base, "error": traceback.format_exc(limit=4)})
                 continue
+            if capture_s is not None:  # compile and capture of every size, before the first prefill
+                base["compile_and_capture_s"] = capture_s
             first = True
             for batch, seq_len in shapes:
                 record = {**base, "batch": batch, "seq_len": seq_len, "phase": "prefill"}
@@ -114,21 +119,21 @@ def main() -> None:
                         torch.cuda.synchronize()
                         torch.cuda.reset_peak_memory_stats()
                     record["first_call_s"] = time.perf_counter() - start
-                    record["includes_compile"] = first and variant != "eager"
+                    record["includes_compile"] = first and variant not in ("eager", "ffp_cudagraph")
                     first = False
                     times = repeat_ms(lambda: prefill_once(runner, batch, seq_len, cfg.vocab_size), args.runs, warmup=1, cuda=cuda)
                     record.update(median_ms=statistics.median(times), times_ms=times)
                     if device.type == "cuda":
                         record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
-                    if variant == "ffp" and runner.report is not None:
+                    if variant.startswith("ffp") and runner.report is not None:
                         record.update(cut=runner.report.cut, reduced_layers=len(runner.report.reduced_layers),
-                                      fallbacks=dict(runner.fallbacks or {}))
+                                      cudagraphs=runner.report.cudagraphs, fallbacks=dict(runner.fallbacks or {}))
                 except Exception:  # noqa: BLE001
                     record["error"] = traceback.format_exc(limit=4)
                 print(json.dumps({k: v for k, v in record.items() if k != "times_ms"}), flush=True)
                 records.append(record)
                 save()
-            for batch in decode_batches if variant in ("inductor", "ffp") else ():
+            for batch in decode_batches if variant in ("inductor", "ffp", "ffp_cudagraph") else ():
                 record = {**base, "batch": batch, "seq_len": 1, "context": 128, "phase": "decode"}
                 try:
                     runner.resize_kv_cache(batch, 128 + args.runs + 2)

@@ -14,6 +14,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx import GraphModule, Node
 
 from .dynamic_shapes import exact_size_reasoning
+from . import fallbacks as fallback_reasons
 from .fallbacks import FallbackCounter
 from .fast_prefill_module import FastPrefillModule
 from .report import AttentionLayerInfo, FastPrefillReport
@@ -29,7 +30,32 @@ def _decompositions():
     return select_decomp_table()
 
 
-def _compile_region(gm: GraphModule, example_inputs: Sequence, compiler: str):
+# Attention runs outside the CUDA graphs: its per-step metadata lives beside the graph.
+CUDAGRAPH_SPLIT_OPS = ("fx_fastprefill::attention", "fx_fastprefill::sdpa")
+
+
+def piecewise_cudagraphs_supported() -> bool:
+    """Inductor can partition a graph around named custom ops (torch >= 2.10)."""
+    from torch._inductor import config
+    return hasattr(config, "custom_should_partition_ops") and hasattr(config, "graph_partition")
+
+
+def _inductor(gm: GraphModule, example_inputs: Sequence, static_input_idxs: Sequence[int], cudagraphs: bool):
+    """compile_fx_inner, with piecewise CUDA graphs when asked: Inductor's graph partition cuts at
+    the attention ops and cudagraph trees record each partition per distinct size, the parameters
+    (``static_input_idxs``) read in place, every other input copied into the graph's buffer."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import BoxedBool
+    patches = ({"triton.cudagraphs": True, "triton.cudagraph_trees": True, "graph_partition": True,
+                "custom_should_partition_ops": list(CUDAGRAPH_SPLIT_OPS)} if cudagraphs else {})
+    with config.patch(patches), exact_size_reasoning():
+        return compile_fx_inner(gm, list(example_inputs), is_inference=True, cudagraphs=BoxedBool(cudagraphs),
+                                static_input_idxs=list(static_input_idxs))
+
+
+def _compile_region(gm: GraphModule, example_inputs: Sequence, compiler: str, static_input_idxs: Sequence[int] = (),
+                    cudagraphs: bool = False):
     if compiler == "eager":
         def run(args: list) -> list:
             out = gm(*args)
@@ -37,22 +63,30 @@ def _compile_region(gm: GraphModule, example_inputs: Sequence, compiler: str):
             return list(out)
         return run
     from torch._guards import TracingContext, detect_fake_mode, tracing
-    from torch._inductor.compile_fx import compile_fx_inner
     # Each region is its own Inductor graph: give it its own tracing context (Inductor records the
     # output strides of one graph per context).
-    with tracing(TracingContext(detect_fake_mode(list(example_inputs)))), exact_size_reasoning():
-        compiled = compile_fx_inner(gm, list(example_inputs), is_inference=True)
+    with tracing(TracingContext(detect_fake_mode(list(example_inputs)))):
+        compiled = _inductor(gm, example_inputs, static_input_idxs, cudagraphs)
 
     def run_compiled(args: list) -> list:
         return list(compiled(args))
     return run_compiled
 
 
+def _static_inputs(placeholders: list[Node]) -> set[Node]:
+    """The placeholders AOT marked static (parameters and buffers): same address every call."""
+    from torch._guards import TracingContext
+    context = TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    indices = getattr(metadata, "static_input_indices", None) or []
+    return {placeholders[i] for i in indices if i < len(placeholders)}
+
+
 class FastPrefillBackend:
     """A torch.compile backend. Keeps one :class:`FastPrefillReport` per compiled graph in ``reports``."""
 
     def __init__(self, *, fast_prefill: bool = True, draft_layers: Iterable[str] = (), compiler: str = "inductor",
-                 prompt_len: int = 2048):
+                 prompt_len: int = 2048, cudagraphs: bool = False):
         if not isinstance(fast_prefill, bool):
             raise TypeError(f"fast_prefill must be a bool, got {fast_prefill!r}")
         if isinstance(draft_layers, str) or not all(isinstance(d, str) for d in draft_layers):
@@ -61,6 +95,14 @@ class FastPrefillBackend:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         if not isinstance(prompt_len, int) or prompt_len < 1:
             raise ValueError(f"prompt_len must be a positive int (the prompt length of the FLOPs estimate), got {prompt_len!r}")
+        if not isinstance(cudagraphs, bool):
+            raise TypeError(f"cudagraphs must be a bool, got {cudagraphs!r}")
+        if cudagraphs and compiler != "inductor":
+            raise ValueError(f"cudagraphs=True needs compiler='inductor' (the regions are captured by Inductor), got {compiler!r}")
+        if cudagraphs and not piecewise_cudagraphs_supported():
+            raise RuntimeError(f"cudagraphs=True needs Inductor's graph partition around custom ops "
+                               f"(torch._inductor.config.custom_should_partition_ops), absent in torch {torch.__version__}")
+        self.cudagraphs = cudagraphs
         self.fast_prefill = fast_prefill
         self.draft_layers = list(draft_layers)
         self.compiler = compiler
@@ -100,6 +142,14 @@ class FastPrefillBackend:
             placeholder_names={n: names.get(n, n.name) for n in placeholders},
         )
         self.reports.append(report)
+        static = _static_inputs(placeholders)
+        cudagraphs = self.cudagraphs
+        if cudagraphs and not any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
+            cudagraphs = False
+            self.fallbacks.record(fallback_reasons.CUDAGRAPHS_NOT_CUDA)
+            report.fallbacks[fallback_reasons.CUDAGRAPHS_NOT_CUDA] += 1
+        report.cudagraphs = cudagraphs
+        self._graph_options = (static, cudagraphs)
         if not self.fast_prefill:
             report.reason = "fast_prefill=False"
             return self._compile_unchanged(gm, example_inputs, report)
@@ -128,7 +178,9 @@ class FastPrefillBackend:
             report.reason = f"the cut could not be applied: {e}"
             return self._compile_unchanged(original, example_inputs, report)
         stages = split_regions(gm)
-        compiled = {name: _compile_region(stage.module, [n.meta["val"] for n in stage.inputs], self.compiler)
+        static_copies = {copies[n] for n in static}
+        compiled = {name: _compile_region(stage.module, [n.meta["val"] for n in stage.inputs], self.compiler,
+                                          [i for i, n in enumerate(stage.inputs) if n in static_copies], cudagraphs)
                     for name, stage in stages.items() if stage.module is not None}
         module = FastPrefillModule(gm, stages, compiled, plan.index, plan.rows, plan.reduced_rows,
                                    self.fallbacks, report.fallbacks, suffix=plan.suffix is not None)
@@ -148,7 +200,11 @@ class FastPrefillBackend:
     def _compile_unchanged(self, gm: GraphModule, example_inputs, report: FastPrefillReport):
         report.graph = gm
         log.info("graph left unchanged: %s", report.reason)
-        return _compile_region_whole(gm, example_inputs, self.compiler)
+        static, cudagraphs = self._graph_options
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if self.compiler == "eager":
+            return gm
+        return _inductor(gm, example_inputs, [i for i, n in enumerate(placeholders) if n in static], cudagraphs)
 
 
 def _copy_graph_module(gm: GraphModule) -> tuple[GraphModule, dict[Node, Node]]:
@@ -161,23 +217,16 @@ def _copy_graph_module(gm: GraphModule) -> tuple[GraphModule, dict[Node, Node]]:
     return GraphModule(gm, graph), env
 
 
-def _compile_region_whole(gm: GraphModule, example_inputs, compiler: str):
-    if compiler == "eager":
-        return gm
-    from torch._inductor.compile_fx import compile_fx_inner
-    with exact_size_reasoning():
-        return compile_fx_inner(gm, list(example_inputs), is_inference=True)
-
-
 def backend(*, fast_prefill: bool = True, draft_layers: Iterable[str] = (), **options: Any) -> FastPrefillBackend:
     """A configured backend for ``torch.compile(model, backend=fx_fastprefill.backend(...))``.
 
-    Options: ``compiler`` ("inductor" or "eager": run the cut regions without Inductor) and
-    ``prompt_len`` (prompt length of the report's FLOPs estimate, default 2048).
+    Options: ``compiler`` ("inductor" or "eager": run the cut regions without Inductor),
+    ``prompt_len`` (prompt length of the report's FLOPs estimate, default 2048) and ``cudagraphs``
+    (piecewise CUDA graphs: the code between attention ops captured per size, on CUDA).
     """
-    unknown = set(options) - {"compiler", "prompt_len"}
+    unknown = set(options) - {"compiler", "prompt_len", "cudagraphs"}
     if unknown:
-        raise TypeError(f"fx_fastprefill.backend() got unknown options {sorted(unknown)}; known: compiler, prompt_len")
+        raise TypeError(f"fx_fastprefill.backend() got unknown options {sorted(unknown)}; known: compiler, prompt_len, cudagraphs")
     return FastPrefillBackend(fast_prefill=fast_prefill, draft_layers=draft_layers, **options)
 
 

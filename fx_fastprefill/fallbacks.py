@@ -17,6 +17,8 @@ PURE_DECODE = "pure decode batch (every row needs logits)"
 NOT_SMALLER = "padded logits rows are not fewer than the tokens"
 WHOLE_STEP_GRAPH = "a whole-step CUDA graph was asked for, which cannot hold a reduced batch"
 NO_LOGITS_ROWS = "no logits rows in this step (R == 0): reduced region skipped"
+# Compile-time: piecewise CUDA graphs were asked for but cannot be used for this graph.
+CUDAGRAPHS_NOT_CUDA = "CUDA graphs asked for, but the graph's inputs are not on a CUDA device: compiled without them"
 
 
 class FallbackCounter(Counter):

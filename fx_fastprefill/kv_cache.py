@@ -12,9 +12,12 @@ import torch
 
 
 class KVCache:
-    def __init__(self, num_regions: int, region_len: int, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, num_regions: int, region_len: int, device: torch.device | str, dtype: torch.dtype,
+                 padding_slots: int = 0):
         self.num_regions = num_regions
         self.region_len = region_len
+        # Slots after the last region, for the rows that pad a step up to a captured size.
+        self.padding_slots = padding_slots
         self.device = torch.device(device)
         self.dtype = dtype
         self.keys: dict[str, torch.Tensor] = {}
@@ -26,6 +29,11 @@ class KVCache:
 
     @property
     def num_slots(self) -> int:
+        return self.num_regions * self.region_len + self.padding_slots
+
+    @property
+    def padding_base(self) -> int:
+        """First slot of the padding rows' region."""
         return self.num_regions * self.region_len
 
     def allocate_region(self) -> int:

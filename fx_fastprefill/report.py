@@ -56,6 +56,8 @@ class FastPrefillReport:
     flops_cut: float = 0.0
     flops_removed_fraction: float = 0.0
     fallbacks: FallbackCounter = field(default_factory=FallbackCounter)
+    # Whether the regions were compiled with piecewise CUDA graphs (asked for, and on CUDA).
+    cudagraphs: bool = False
     # The cut aten graph and its region of every node, for printing (not part of the summary).
     graph: Any = field(default=None, repr=False)
     placeholder_names: dict = field(default_factory=dict, repr=False)
@@ -84,6 +86,7 @@ class FastPrefillReport:
             "flops_cut": self.flops_cut,
             "flops_removed_fraction": self.flops_removed_fraction,
             "fallbacks": dict(self.fallbacks),
+            "cudagraphs": self.cudagraphs,
         }
 
     def explain(self) -> str:
@@ -119,6 +122,8 @@ class FastPrefillReport:
         lines.append("gathered at the boundary:")
         lines.extend(f"  {g}" for g in self.gathered)
         lines.append(f"prefill FLOPs removed at prompt length {self.prompt_len}: {100 * self.flops_removed_fraction:.1f}%")
+        if self.cudagraphs:
+            lines.append("piecewise CUDA graphs: on (attention outside, the code between captured per size)")
         if self.fallbacks:
             lines.append("runtime fallbacks: " + ", ".join(f"{r}: {n}" for r, n in self.fallbacks.items()))
         return "\n".join(lines)

@@ -8,13 +8,15 @@ sees ``forward(input_ids[T], positions[T], logits_indices[R])``.
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from .batch import SeqChunk, default_logits_indices, padded_indices, validate_logits_indices
+from .batch import SeqChunk, default_logits_indices, pad_to_bucket, padded_indices, validate_logits_indices
 from .dynamic_shapes import compile_for_varying_sizes, varying_sizes
 from .fallbacks import FallbackCounter
 from .kv_cache import KVCache
@@ -47,6 +49,20 @@ def _power_of_two_buckets(limit: int) -> list[int]:
     return sizes + [limit]
 
 
+def default_token_pad_sizes(limit: int) -> list[int]:
+    """Step sizes captured for CUDA graphs: powers of two up to 512, then every multiple of 512
+    (a prefill pads by at most 511 rows, under 12% from 4096 rows up), then ``limit``."""
+    sizes = [n for n in _power_of_two_buckets(min(limit, 512)) if n < limit]
+    sizes += list(range(1024, limit, 512))
+    return sizes + [limit]
+
+
+def _check_sizes(name: str, sizes: Sequence[int], limit: int) -> list[int]:
+    if isinstance(sizes, (str, bytes)) or not all(isinstance(n, int) and 2 <= n <= limit for n in sizes):
+        raise ValueError(f"{name} must be ints in [2, max_num_tokens={limit}], got {list(sizes)!r}")
+    return sorted(set(sizes))
+
+
 @dataclass
 class _Request:
     seq_id: int
@@ -72,12 +88,15 @@ class Runner:
     ``max_num_tokens`` bounds the rows of one step (longer prompts are chunked); ``max_model_len``
     bounds one request (prompt plus generated tokens); ``max_num_seqs`` bounds the requests that
     hold a KV cache region at once. ``logits_pad_sizes`` are the sizes the logits rows are padded
-    up to (powers of two by default; ``()`` disables padding).
+    up to (powers of two by default; ``()`` disables padding). ``token_pad_sizes`` are the sizes a
+    step's rows are padded up to, with rows of a padding request whose results are dropped: CUDA
+    graphs are recorded per size, so with a backend made with ``cudagraphs=True`` they default to
+    :func:`default_token_pad_sizes`; otherwise to none.
     """
 
     def __init__(self, model: nn.Module, *, backend: Any = None, max_num_tokens: int, max_model_len: int = 4096,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_num_seqs: int = 8,
-                 logits_pad_sizes: Sequence[int] | None = None):
+                 logits_pad_sizes: Sequence[int] | None = None, token_pad_sizes: Sequence[int] | None = None):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
         if not isinstance(max_model_len, int) or max_model_len < 1:
@@ -90,6 +109,12 @@ class Runner:
         self.vocab_size = vocab_size_of(model)
         self.logits_pad_sizes = list(_power_of_two_buckets(max_num_tokens) if logits_pad_sizes is None else sorted(logits_pad_sizes))
         self.backend = self._resolve_backend(backend)
+        self.cudagraphs = bool(getattr(self.backend, "cudagraphs", False))
+        if token_pad_sizes is None:
+            token_pad_sizes = default_token_pad_sizes(max_num_tokens) if self.cudagraphs and max_num_tokens >= 2 else []
+        elif self.backend is None and token_pad_sizes:
+            raise ValueError("token_pad_sizes needs a compiled model (backend=...): eager steps are not padded")
+        self.token_pad_sizes = _check_sizes("token_pad_sizes", token_pad_sizes, max_num_tokens)
         self._forward: Callable = model if self.backend is None else compile_for_varying_sizes(model, self.backend)
         self._requests: dict[int, _Request] = {}
         self.resize_kv_cache(max_num_seqs, max_model_len)
@@ -111,10 +136,12 @@ class Runner:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         self.max_model_len = max_model_len
         # A compiled model never sees one token: Dynamo specializes size 1, so a lone decode token is
-        # padded with a row of a padding request that owns a KV region of its own.
+        # padded with a row of a padding request; steps are also padded up to ``token_pad_sizes``.
+        # The padding request writes its K/V into slots of its own, after the requests' regions.
         self.kv_cache = None  # let the old arrays go before the new ones are allocated
-        self.kv_cache = KVCache(max_num_seqs + (self.backend is not None), max_model_len, self.device, self.dtype)
-        self._padding = _Request(-1, [], 0, self.kv_cache.allocate_region()) if self.backend is not None else None
+        padding_slots = max([2, *self.token_pad_sizes]) if self.backend is not None else 0
+        self.kv_cache = KVCache(max_num_seqs, max_model_len, self.device, self.dtype, padding_slots=padding_slots)
+        self._padding = _Request(-1, [], 0, self.kv_cache.padding_base) if self.backend is not None else None
 
     @staticmethod
     def _resolve_backend(backend: Any) -> Any:
@@ -156,6 +183,8 @@ class Runner:
         seen = set()
         total = 0
         for chunk in chunks:
+            if isinstance(chunk.seq_id, bool) or not isinstance(chunk.seq_id, int) or chunk.seq_id < 0:
+                raise ValueError(f"seq_id must be a non-negative int, got {chunk.seq_id!r}")
             if chunk.seq_id in seen:
                 raise ValueError(f"request {chunk.seq_id} appears twice in one step")
             seen.add(chunk.seq_id)
@@ -181,11 +210,16 @@ class Runner:
         return self._run(chunks, rows)
 
     def _run(self, chunks: Sequence[SeqChunk], rows: list[int]) -> torch.Tensor:
-        requests = [self._requests[c.seq_id] for c in chunks]
+        requests = [self._padding if c.seq_id == -1 and self._padding is not None else self._requests[c.seq_id]
+                    for c in chunks]
         num_tokens = sum(len(c.tokens) for c in chunks)
-        if num_tokens == 1 and self._padding is not None:
-            chunks = list(chunks) + [SeqChunk(-1, [0], 0)]
-            requests = requests + [self._padding]
+        if self._padding is not None:
+            padded = max(2, pad_to_bucket(num_tokens, self.token_pad_sizes))
+            if padded > num_tokens:
+                chunks = list(chunks) + [SeqChunk(-1, [0] * (padded - num_tokens), 0)]
+                requests = requests + [self._padding]
+        if self.cudagraphs:  # the previous step's graph outputs may be overwritten from here on
+            torch.compiler.cudagraph_mark_step_begin()
         query_start = [0]
         for chunk in chunks:
             query_start.append(query_start[-1] + len(chunk.tokens))
@@ -209,7 +243,33 @@ class Runner:
             if request is not self._padding:  # padding rows rewrite position 0 of their own region
                 request.num_computed += len(chunk.tokens)
         self.steps_run += 1
-        return logits[: len(rows)]
+        # A copy: with CUDA graphs the logits live in the graph's memory, rewritten by the next step.
+        return logits[: len(rows)].clone()
+
+    def capture(self, progress: bool = True) -> float:
+        """Compile and record every padded size now rather than on the first steps that need it:
+        each step size of ``token_pad_sizes`` with one logits row, then each logits size of
+        ``logits_pad_sizes`` (below the largest step size). Returns the seconds it took."""
+        if self.backend is None:
+            raise ValueError("capture() needs a compiled model (backend=...)")
+        if self._requests:
+            raise RuntimeError(f"capture(): requests {sorted(self._requests)} are live; capture before serving")
+        steps = self.token_pad_sizes or [max(2, self.max_num_tokens)]
+        jobs = [(size, 1) for size in reversed(steps)]
+        jobs += [(pad_to_bucket(r + 1, steps), r) for r in reversed(self.logits_pad_sizes) if 1 < r < steps[-1]]
+        start = time.perf_counter()
+        for k, (num_tokens, num_logits) in enumerate(jobs):
+            for _ in range(2):  # the first call of a new size warms up, the second records
+                self._run([SeqChunk(-1, [0] * num_tokens, num_logits)],
+                          list(range(num_tokens - num_logits, num_tokens)))
+            if progress:
+                sys.stderr.write(f"\rcapturing: {k + 1}/{len(jobs)} sizes (T={num_tokens}, R={num_logits})   ")
+                sys.stderr.flush()
+        if progress:
+            sys.stderr.write("\n")
+        seconds = time.perf_counter() - start
+        log.info("captured %d sizes in %.1f s", len(jobs), seconds)
+        return seconds
 
     def free(self, seq_id: int) -> None:
         """Release a request's KV cache region."""

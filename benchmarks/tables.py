@@ -45,7 +45,7 @@ def markdown(rows: list[dict], baseline: str) -> str:
             continue
         speedup = r["speedup"]
         shown = "" if speedup is None else f"{speedup:.2f}x"
-        of_ideal = "" if speedup is None else f"{speedup / r['ideal_speedup']:.2f}"
+        of_ideal = "" if speedup is None or r["variant"] == baseline else f"{speedup / r['ideal_speedup']:.2f}"
         lines.append(f"| {r['model']} | {shape} | {r['variant']} | {r['median_ms']:.1f} | {shown} | "
                      f"{r['ideal_speedup']:.2f}x | {of_ideal} | {r.get('first_call_s', 0):.0f} |")
     return "\n".join(lines)

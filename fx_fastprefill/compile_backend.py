@@ -149,10 +149,9 @@ class FastPrefillBackend:
             self.fallbacks.record(fallback_reasons.CUDAGRAPHS_NOT_CUDA)
             report.fallbacks[fallback_reasons.CUDAGRAPHS_NOT_CUDA] += 1
         report.cudagraphs = cudagraphs
-        self._graph_options = (static, cudagraphs)
         if not self.fast_prefill:
             report.reason = "fast_prefill=False"
-            return self._compile_unchanged(gm, example_inputs, report)
+            return self._compile_unchanged(gm, example_inputs, report, static, cudagraphs)
         if not layers:
             report.reason = "the graph has no attention the pass knows (fx_fastprefill.attention, or SDPA in a transformers model)"
         original, (gm, copies) = gm, _copy_graph_module(gm)  # the cut works on a copy: a failed cut leaves nothing half-done
@@ -161,7 +160,7 @@ class FastPrefillBackend:
             plan = analyze(gm)
         except NoCut as e:
             report.reason = str(e) if not report.reason else report.reason + "; " + str(e)
-            return self._compile_unchanged(original, example_inputs, report)
+            return self._compile_unchanged(original, example_inputs, report, static, cudagraphs)
         report.flops_full = estimate_flops(gm, plan.rows, plan.reduced_rows, self.prompt_len)
         feeds_kv = kv_consumers(gm)
         report.stops = [hoist_stop(stop, report, feeds_kv) for stop in plan.stops]
@@ -171,12 +170,12 @@ class FastPrefillBackend:
                     if first is not None and first.reason == "a graph output" else "")
             report.reason = report.reason or ("the hoist stopped before any attention layer" +
                                               (f": {first.tensor} ({first.op}): {first.reason}" if first else "") + hint)
-            return self._compile_unchanged(original, example_inputs, report)
+            return self._compile_unchanged(original, example_inputs, report, static, cudagraphs)
         try:
             cut_graph(gm, plan)
         except CutError as e:
             report.reason = f"the cut could not be applied: {e}"
-            return self._compile_unchanged(original, example_inputs, report)
+            return self._compile_unchanged(original, example_inputs, report, static, cudagraphs)
         stages = split_regions(gm)
         static_copies = {copies[n] for n in static}
         compiled = {name: _compile_region(stage.module, [n.meta["val"] for n in stage.inputs], self.compiler,
@@ -197,10 +196,10 @@ class FastPrefillBackend:
         log.info("compiled a graph with %d attention layers\n%s", len(layers), report.summary())
         return module
 
-    def _compile_unchanged(self, gm: GraphModule, example_inputs, report: FastPrefillReport):
+    def _compile_unchanged(self, gm: GraphModule, example_inputs, report: FastPrefillReport, static: set[Node],
+                           cudagraphs: bool):
         report.graph = gm
         log.info("graph left unchanged: %s", report.reason)
-        static, cudagraphs = self._graph_options
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if self.compiler == "eager":
             return gm

@@ -243,8 +243,9 @@ class Runner:
             if request is not self._padding:  # padding rows rewrite position 0 of their own region
                 request.num_computed += len(chunk.tokens)
         self.steps_run += 1
-        # A copy: with CUDA graphs the logits live in the graph's memory, rewritten by the next step.
-        return logits[: len(rows)].clone()
+        logits = logits[: len(rows)]
+        # With CUDA graphs the logits live in the graph's memory, rewritten by the next step: copy them.
+        return logits.clone() if self.cudagraphs else logits
 
     def capture(self, progress: bool = True) -> float:
         """Compile and record every padded size now rather than on the first steps that need it:

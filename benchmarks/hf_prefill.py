@@ -1,9 +1,10 @@
 """Prefill of unmodified transformers Gemma 3n / Gemma 4 on the GPU: torch.compile's default against
 the fx_fastprefill backend, in the same run, random bf16 weights, ``logits_to_keep=1``, ``use_cache=False``.
 
-Variants: ``inductor`` (``torch.compile`` default, no pass), ``ffp`` (the backend, Inductor regions,
+Variants: ``inductor`` (``torch.compile`` default, no pass, ``dynamic=False``: a static compile per
+shape, its best case), ``ffp`` (the backend, Inductor regions,
 ``dynamic=True``) and, for Gemma 4 where transformers has it, ``inductor_hand_slicing``
-(transformers' own slicing of the KV-shared layers' inputs, under ``torch.compile`` default). The
+(transformers' own slicing of the KV-shared layers' inputs, under ``torch.compile`` default, static). The
 Gemma 4 ``inductor`` and ``ffp`` variants run with that slicing switched off.
 
     PYTHONPATH=. python3 benchmarks/hf_prefill.py --model gemma3n --out results.json

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch._functorch.aot_autograd import aot_module_simplified
@@ -30,32 +30,23 @@ def _decompositions():
     return select_decomp_table()
 
 
-# Attention runs outside the CUDA graphs: its per-step metadata lives beside the graph.
-CUDAGRAPH_SPLIT_OPS = ("fx_fastprefill::attention", "fx_fastprefill::sdpa")
-
-
 def piecewise_cudagraphs_supported() -> bool:
-    """Inductor can partition a graph around named custom ops (torch >= 2.10)."""
-    from torch._inductor import config
-    return hasattr(config, "custom_should_partition_ops") and hasattr(config, "graph_partition")
+    """Graphs keep non-owning views of their outputs (torch's own CUDA-graph helpers)."""
+    from .piecewise_region import non_owning_supported
+    return non_owning_supported()
 
 
-def _inductor(gm: GraphModule, example_inputs: Sequence, static_input_idxs: Sequence[int], cudagraphs: bool):
-    """compile_fx_inner, with piecewise CUDA graphs when asked: Inductor's graph partition cuts at
-    the attention ops and cudagraph trees record each partition per distinct size, the parameters
-    (``static_input_idxs``) read in place, every other input copied into the graph's buffer."""
-    from torch._inductor import config
+def _inductor(gm: GraphModule, example_inputs: Sequence, static_input_idxs: Sequence[int]):
+    """compile_fx_inner on one graph; the parameters (``static_input_idxs``) keep their addresses."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.utils import BoxedBool
-    patches = ({"triton.cudagraphs": True, "triton.cudagraph_trees": True, "graph_partition": True,
-                "custom_should_partition_ops": list(CUDAGRAPH_SPLIT_OPS)} if cudagraphs else {})
-    with config.patch(patches), exact_size_reasoning():
-        return compile_fx_inner(gm, list(example_inputs), is_inference=True, cudagraphs=BoxedBool(cudagraphs),
+    with exact_size_reasoning():
+        return compile_fx_inner(gm, list(example_inputs), is_inference=True, cudagraphs=BoxedBool(False),
                                 static_input_idxs=list(static_input_idxs))
 
 
-def _compile_region(gm: GraphModule, example_inputs: Sequence, compiler: str, static_input_idxs: Sequence[int] = (),
-                    cudagraphs: bool = False):
+def _compile_graph(gm: GraphModule, example_inputs: Sequence, compiler: str, static_input_idxs: Sequence[int] = ()):
+    """One region or piece as a boxed callable (a list of inputs in, a list of outputs out)."""
     if compiler == "eager":
         def run(args: list) -> list:
             out = gm(*args)
@@ -63,14 +54,31 @@ def _compile_region(gm: GraphModule, example_inputs: Sequence, compiler: str, st
             return list(out)
         return run
     from torch._guards import TracingContext, detect_fake_mode, tracing
-    # Each region is its own Inductor graph: give it its own tracing context (Inductor records the
+    # Each graph is its own Inductor graph: give it its own tracing context (Inductor records the
     # output strides of one graph per context).
     with tracing(TracingContext(detect_fake_mode(list(example_inputs)))):
-        compiled = _inductor(gm, example_inputs, static_input_idxs, cudagraphs)
+        compiled = _inductor(gm, example_inputs, static_input_idxs)
 
     def run_compiled(args: list) -> list:
         return list(compiled(args))
     return run_compiled
+
+
+def _compile_region(gm: GraphModule, example_inputs: Sequence, compiler: str, static_input_idxs: Sequence[int] = (),
+                    cudagraphs: bool = False, record_fallback: Callable[[str], None] | None = None):
+    """A region as one compiled graph, or with ``cudagraphs`` as pieces between the package's ops,
+    each compiled alone and recorded per size (fx_fastprefill/piecewise_region.py)."""
+    if not cudagraphs:
+        return _compile_graph(gm, example_inputs, compiler, static_input_idxs)
+    from fx_fastprefill.passes.split_at_attention import Piece, split_at_attention
+    from .piecewise_region import PiecewiseRegion
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    static = {placeholders[i] for i in static_input_idxs} | {n for n in gm.graph.nodes if n.op == "get_attr"}
+    steps = split_at_attention(gm)
+    compiled = [_compile_graph(step.module, [n.meta["val"] for n in step.inputs], compiler,
+                               [i for i, n in enumerate(step.inputs) if n in static])
+                if isinstance(step, Piece) else None for step in steps]
+    return PiecewiseRegion(gm, steps, compiled, static, record_fallback or (lambda reason: None))
 
 
 def _static_inputs(placeholders: list[Node]) -> set[Node]:
@@ -100,8 +108,8 @@ class FastPrefillBackend:
         if cudagraphs and compiler != "inductor":
             raise ValueError(f"cudagraphs=True needs compiler='inductor' (the regions are captured by Inductor), got {compiler!r}")
         if cudagraphs and not piecewise_cudagraphs_supported():
-            raise RuntimeError(f"cudagraphs=True needs Inductor's graph partition around custom ops "
-                               f"(torch._inductor.config.custom_should_partition_ops), absent in torch {torch.__version__}")
+            raise RuntimeError(f"cudagraphs=True needs torch._C._construct_storage_from_data_pointer (non-owning "
+                               f"views of graph outputs), absent in torch {torch.__version__}")
         self.cudagraphs = cudagraphs
         self.fast_prefill = fast_prefill
         self.draft_layers = list(draft_layers)
@@ -179,10 +187,12 @@ class FastPrefillBackend:
         stages = split_regions(gm)
         static_copies = {copies[n] for n in static}
         compiled = {name: _compile_region(stage.module, [n.meta["val"] for n in stage.inputs], self.compiler,
-                                          [i for i, n in enumerate(stage.inputs) if n in static_copies], cudagraphs)
+                                          [i for i, n in enumerate(stage.inputs) if n in static_copies], cudagraphs,
+                                          self._fallback_recorder(report))
                     for name, stage in stages.items() if stage.module is not None}
         module = FastPrefillModule(gm, stages, compiled, plan.index, plan.rows, plan.reduced_rows,
-                                   self.fallbacks, report.fallbacks, suffix=plan.suffix is not None)
+                                   self.fallbacks, report.fallbacks, suffix=plan.suffix is not None,
+                                   copy_outputs=cudagraphs)
         reduced_attention = set(plan.reduced_attention)
         report.rows_symbol, report.reduced_rows_symbol = plan.rows, plan.reduced_rows
         report.cut = True
@@ -203,7 +213,19 @@ class FastPrefillBackend:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if self.compiler == "eager":
             return gm
-        return _inductor(gm, example_inputs, [i for i, n in enumerate(placeholders) if n in static], cudagraphs)
+        static_idxs = [i for i, n in enumerate(placeholders) if n in static]
+        if cudagraphs:
+            region = _compile_region(gm, example_inputs, self.compiler, static_idxs, True, self._fallback_recorder(report))
+            region.copy_outputs = True  # the caller keeps them past the next call
+            return region
+        return _inductor(gm, example_inputs, static_idxs)
+
+    def _fallback_recorder(self, report: FastPrefillReport) -> Callable[[str], None]:
+        """Counts a run-time fallback on the backend (which logs it) and on the graph's report."""
+        def record(reason: str) -> None:
+            self.fallbacks.record(reason)
+            report.fallbacks[reason] += 1
+        return record
 
 
 def _copy_graph_module(gm: GraphModule) -> tuple[GraphModule, dict[Node, Node]]:

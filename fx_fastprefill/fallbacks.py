@@ -19,6 +19,10 @@ WHOLE_STEP_GRAPH = "a whole-step CUDA graph was asked for, which cannot hold a r
 NO_LOGITS_ROWS = "no logits rows in this step (R == 0): reduced region skipped"
 # Compile-time: piecewise CUDA graphs were asked for but cannot be used for this graph.
 CUDAGRAPHS_NOT_CUDA = "CUDA graphs asked for, but the graph's inputs are not on a CUDA device: compiled without them"
+# Run-time, per region call with piecewise CUDA graphs.
+CUDAGRAPH_WARMUP = "first call of these sizes: the region runs without CUDA graphs (warm-up; the next call records them)"
+CUDAGRAPH_RECORD_FAILED = "recording the region's CUDA graphs failed for these sizes: they run without graphs"
+CUDAGRAPH_STATIC_INPUT_MOVED = "a parameter or buffer moved since the CUDA graphs were recorded: they are recorded again"
 
 
 class FallbackCounter(Counter):

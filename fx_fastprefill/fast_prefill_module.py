@@ -40,7 +40,7 @@ class FastPrefillModule:
 
     def __init__(self, gm: GraphModule, stages: dict, compiled: dict[str, RegionFn], index: Node,
                  rows: sympy.Symbol, reduced_rows: sympy.Expr, counter: FallbackCounter,
-                 graph_counter: FallbackCounter, suffix: bool = False):
+                 graph_counter: FallbackCounter, suffix: bool = False, copy_outputs: bool = False):
         self.gm = gm
         self.stages = stages
         self.compiled = compiled
@@ -54,6 +54,7 @@ class FastPrefillModule:
         if rows not in self.sources:
             raise ValueError("the token count is not the size of any graph input")
         self.suffix = suffix
+        self.copy_outputs = copy_outputs  # CUDA graphs: outputs are views of memory the next call rewrites
         self.row_axes = {} if suffix else self._reduced_output_axes()
 
     def _size_sources(self) -> dict[sympy.Symbol, SizeSource]:
@@ -105,6 +106,10 @@ class FastPrefillModule:
         env.update(zip(stage.outputs, outputs))
 
     def __call__(self, args: list) -> list:
+        outputs = self._forward(args)
+        return [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs] if self.copy_outputs else outputs
+
+    def _forward(self, args: list) -> list:
         env = dict(zip(self.placeholders, args))
         env.update(self.constants)
         shapes_args = list(args)

@@ -218,8 +218,6 @@ class Runner:
             if padded > num_tokens:
                 chunks = list(chunks) + [SeqChunk(-1, [0] * (padded - num_tokens), 0)]
                 requests = requests + [self._padding]
-        if self.cudagraphs:  # the previous step's graph outputs may be overwritten from here on
-            torch.compiler.cudagraph_mark_step_begin()
         query_start = [0]
         for chunk in chunks:
             query_start.append(query_start[-1] + len(chunk.tokens))
@@ -243,9 +241,8 @@ class Runner:
             if request is not self._padding:  # padding rows rewrite position 0 of their own region
                 request.num_computed += len(chunk.tokens)
         self.steps_run += 1
-        logits = logits[: len(rows)]
-        # With CUDA graphs the logits live in the graph's memory, rewritten by the next step: copy them.
-        return logits.clone() if self.cudagraphs else logits
+        # With CUDA graphs the compiled model has already copied its outputs out of graph memory.
+        return logits[: len(rows)]
 
     def capture(self, progress: bool = True) -> float:
         """Compile and record every padded size now rather than on the first steps that need it:

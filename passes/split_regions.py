@@ -6,6 +6,10 @@ Invariants:
   full-region node reads a reduced value).
 - Each compiled stage is a standalone GraphModule whose placeholders carry the fake values of the
   nodes they stand for, so it can be handed to Inductor on its own.
+- A full-region node whose every reader is in the reduced region (a weight's transpose, a
+  constant's cast) moves there: the reduced region then reads the parameters themselves, which
+  stay at fixed addresses (what its CUDA graphs need), and Inductor can fold the view into its
+  reader. Package ops (the cache writes) never move: they run even when the reduced region does not.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from torch.fx import Graph, GraphModule, Node
 
 from .cut_graph import BOUNDARY_GATHER, REDUCED_SIZE_NODE, downstream
+from .split_at_attention import is_package_op
 
 FULL, BOUNDARY, REDUCED = "full", "boundary", "reduced"
 
@@ -41,6 +46,10 @@ def assign_regions(gm: GraphModule) -> dict[Node, str]:
             regions[node] = REDUCED
         else:
             regions[node] = FULL
+    for node in reversed(list(gm.graph.nodes)):
+        if (regions.get(node) == FULL and node.users and not is_package_op(node)
+                and all(regions.get(user) == REDUCED for user in node.users)):
+            regions[node] = REDUCED
     return regions
 
 

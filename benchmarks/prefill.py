@@ -104,7 +104,8 @@ def main() -> None:
                 runner = make_runner(variant, cfg, weights, device, dtype, max_tokens, step_sizes)
                 capture_s = runner.capture(progress=False) if variant == "ffp_cudagraph" else None
             except Exception:  # noqa: BLE001 - recorded; the other variants still run
-                records.append({**base, "error": traceback.format_exc(limit=4)})
+                records.append({**base, "error": traceback.format_exc(limit=8)})
+                print(json.dumps(records[-1]), flush=True)
                 continue
             if capture_s is not None:  # compile and capture of every size, before the first prefill
                 base["compile_and_capture_s"] = capture_s

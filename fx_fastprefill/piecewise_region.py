@@ -51,8 +51,10 @@ def non_owning(t: Tensor) -> Tensor:
 
 
 def non_owning_supported() -> bool:
-    return hasattr(torch._C, "_construct_storage_from_data_pointer") and hasattr(
-        torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata")
+    """The installed torch can make non-owning CUDA views (a CPU-only build lacks the CUDA half,
+    and never records graphs: its inputs are not on a CUDA device)."""
+    has_cuda_half = hasattr(torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata") or not torch.backends.cuda.is_built()
+    return hasattr(torch._C, "_construct_storage_from_data_pointer") and has_cuda_half
 
 
 class StagingBuffers:
@@ -108,7 +110,10 @@ class PiecewiseRegion:
         self.output_args = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         self.static = set(static) | set(self.constants)
         self.static_positions = [i for i, n in enumerate(self.placeholders) if n in self.static]
-        self.dynamic_positions = [i for i, n in enumerate(self.placeholders) if n not in self.static]
+        # The key: sizes of the non-static inputs some piece reads (the full-row K/V that only the
+        # eager attention of the reduced region reads do not make a new key).
+        read_by_pieces = {n for step, fn in self.steps if fn is not None for n in step.inputs}
+        self.key_positions = [i for i, n in enumerate(self.placeholders) if n not in self.static and n in read_by_pieces]
         self.record_fallback = record_fallback
         self.graphs = graphs
         self.copy_outputs = False
@@ -122,8 +127,8 @@ class PiecewiseRegion:
     # ----------------------------------------------------------------------------------------------
 
     def _key(self, args: list) -> tuple:
-        """The sizes of the region's non-static inputs (parameters never change size)."""
-        values = (args[i] for i in self.dynamic_positions)
+        """The sizes of the non-static inputs the pieces read (parameters never change size)."""
+        values = (args[i] for i in self.key_positions)
         return tuple((tuple(a.shape), a.dtype) if isinstance(a, Tensor) else a if isinstance(a, (int, float, bool))
                      else type(a) for a in values)
 

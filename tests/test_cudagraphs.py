@@ -10,6 +10,7 @@ import torch
 import fx_fastprefill
 from fx_fastprefill import SeqChunk, compile_backend, fallbacks
 from fx_fastprefill.passes.split_at_attention import EagerOp, Piece, split_at_attention
+from fx_fastprefill.fast_prefill_module import FastPrefillModule
 from fx_fastprefill.piecewise_region import PiecewiseRegion
 from fx_fastprefill.runner import default_token_pad_sizes
 from examples.gemma3n import Config, Gemma3nLike
@@ -79,6 +80,9 @@ def rerun_graphs(monkeypatch):
         return RerunGraph(fn, args, outputs), outputs
 
     monkeypatch.setattr(compile_backend, "_compile_region", piecewise)
+    # As with cudagraphs=True: the model's outputs are copied out of the graphs' memory.
+    monkeypatch.setattr(compile_backend, "FastPrefillModule",
+                        lambda *args, **kwargs: FastPrefillModule(*args, **{**kwargs, "copy_outputs": True}))
     monkeypatch.setattr(PiecewiseRegion, "_capture", capture)
     monkeypatch.setattr(PiecewiseRegion, "_alias", staticmethod(lambda t: t))
     RerunGraph.replays = 0
@@ -88,7 +92,7 @@ def rerun_graphs(monkeypatch):
 def test_recorded_pieces_replay_the_model(rerun_graphs):
     # Staging of eager-op outputs, the non-static region inputs and the per-size keys: a replay
     # must compute what the model computes without graphs, step after step.
-    _, plain = run(fx_fastprefill.backend(compiler="eager"))
+    _, plain = run(fx_fastprefill.backend(compiler="eager", fast_prefill=False))  # no regions: not patched
     backend = fx_fastprefill.backend(compiler="eager")
     runner, replayed = run(backend, capture=True, token_pad_sizes=[16, 48, 64])
     for p, q in zip(plain, replayed):

@@ -50,6 +50,13 @@ def non_owning(t: Tensor) -> Tensor:
     return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, alias)
 
 
+def _copy(t: Tensor) -> Tensor:
+    """A copy with ``t``'s strides (its readers were compiled for them), unless ``t`` overlaps itself."""
+    if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+        return t.clone()
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
 def non_owning_supported() -> bool:
     """The installed torch can make non-owning CUDA views (a CPU-only build lacks the CUDA half,
     and never records graphs: its inputs are not on a CUDA device)."""
@@ -88,7 +95,8 @@ class _RecordedPiece:
 
 @dataclass
 class _RecordedKey:
-    pieces: list[_RecordedPiece] = field(default_factory=list)
+    pieces: list[_RecordedPiece | None] = field(default_factory=list)  # None: a views-only piece, run directly
+    graphs: list = field(default_factory=list)
 
 
 class PiecewiseRegion:
@@ -123,6 +131,10 @@ class PiecewiseRegion:
         self.pool = None
         self.stream = None
         self.staging = StagingBuffers()
+        self.failed = 0
+        # Graphs of keys whose recording failed: kept, since a pool whose every graph is gone
+        # while its blocks are still in use cannot be recorded into again.
+        self._kept: list = []
 
     # ----------------------------------------------------------------------------------------------
 
@@ -146,8 +158,10 @@ class PiecewiseRegion:
             try:
                 self.keys[key] = self._record(env)
             except Exception as e:  # noqa: BLE001 - counted and logged; this size runs without graphs
-                log.warning("recording the CUDA graphs of a region failed for sizes %s: %s", key, e)
+                log.warning("recording the CUDA graphs of a region failed for sizes %s: %s", key, e,
+                            exc_info=not self.failed)
                 self.keys[key] = _FAILED
+                self.failed += 1
                 self.record_fallback(reasons.CUDAGRAPH_RECORD_FAILED)
                 env = {n: env[n] for n in list(self.placeholders) + list(self.constants)}
                 self._run_plain(env)
@@ -188,7 +202,7 @@ class PiecewiseRegion:
         kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
         env[node] = node.target(*args, **kwargs)
 
-    def _capture(self, fn: RegionFn, args: list) -> tuple[Any, list]:
+    def _capture(self, fn: RegionFn, args: list, recorded: _RecordedKey) -> tuple[Any, list]:
         """Record ``fn(args)`` in a CUDA graph of this region's pool, then replay it (recording
         computes nothing, and this forward needs the values). Recorded on a side stream: the
         default stream cannot record."""
@@ -196,6 +210,7 @@ class PiecewiseRegion:
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
+        recorded.graphs.append(graph)  # alive even if this recording fails
         current = torch.cuda.current_stream()
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
@@ -212,9 +227,19 @@ class PiecewiseRegion:
 
     def _record(self, env: dict) -> _RecordedKey:
         recorded, produced = _RecordedKey(), set()
+        self._kept.append(recorded)  # dropped once the key has recorded fully
         for step, fn in self.steps:
             if fn is None:
                 self._run_eager(step.node, env)
+                continue
+            if step.views_only:  # no kernel: run it directly; its views move only with its inputs
+                outputs = fn([env[n] for n in step.inputs])
+                env.update(zip(step.outputs, outputs))
+                recorded.pieces.append(None)
+                inputs = {env[n].untyped_storage().data_ptr() for n in step.inputs if isinstance(env[n], Tensor)}
+                if all(n in produced or n in self.static for n in step.inputs) and all(
+                        o.untyped_storage().data_ptr() in inputs for o in outputs if isinstance(o, Tensor)):
+                    produced.update(step.outputs)
                 continue
             args, staged = [], []
             for i, node in enumerate(step.inputs):
@@ -225,14 +250,15 @@ class PiecewiseRegion:
                     staged.append((node, view))
                     value = view
                 args.append(value)
-            graph, outputs = self._capture(fn, args)
+            graph, outputs = self._capture(fn, args, recorded)
             copy_out = [j for j, o in enumerate(outputs) if isinstance(o, Tensor) and self.staging.owns(o)]
             recorded.pieces.append(_RecordedPiece(
                 graph, staged, [self._alias(o) if isinstance(o, Tensor) else o for o in outputs], copy_out))
-            outputs = [o.clone() if j in copy_out else o for j, o in enumerate(outputs)]
+            outputs = [_copy(o) if j in copy_out else o for j, o in enumerate(outputs)]
             env.update(zip(step.outputs, outputs))  # owning: alive until this forward ends
             # A copied-out value gets a new address each replay: its readers stage it.
             produced.update(n for j, n in enumerate(step.outputs) if j not in copy_out)
+        self._kept.pop()
         return recorded
 
     def _replay(self, recorded: _RecordedKey, env: dict) -> None:
@@ -242,6 +268,9 @@ class PiecewiseRegion:
                 self._run_eager(step.node, env)
                 continue
             piece = next(pieces)
+            if piece is None:
+                env.update(zip(step.outputs, fn([env[n] for n in step.inputs])))
+                continue
             for node, view in piece.staged:
                 value = env[node]
                 if value.data_ptr() != view.data_ptr():
@@ -249,5 +278,5 @@ class PiecewiseRegion:
             piece.graph.replay()
             outputs = piece.outputs
             if piece.copy_out:
-                outputs = [o.clone() if j in piece.copy_out else o for j, o in enumerate(outputs)]
+                outputs = [_copy(o) if j in piece.copy_out else o for j, o in enumerate(outputs)]
             env.update(zip(step.outputs, outputs))

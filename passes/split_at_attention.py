@@ -37,6 +37,15 @@ class Piece:
     module: GraphModule
     inputs: list[Node]   # region nodes the piece reads, in placeholder order
     outputs: list[Node]  # region nodes the piece computes that later steps read
+    views_only: bool     # no kernel to launch (views, sizes): nothing to record
+
+
+def _is_view(node: Node) -> bool:
+    target = node.target
+    return (isinstance(target, torch._ops.OpOverload) and target.is_view) or target in _SIZE_OPS
+
+
+_SIZE_OPS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default}
 
 
 @dataclass
@@ -68,7 +77,7 @@ def _piece(gm: GraphModule, nodes: list[Node], index: int) -> Piece:
         copy.meta = dict(node.meta)
         env[node] = copy
     graph.output(tuple(env[n] for n in outputs))
-    return Piece(GraphModule(gm, graph, f"piece_{index}"), inputs, outputs)
+    return Piece(GraphModule(gm, graph, f"piece_{index}"), inputs, outputs, all(_is_view(n) for n in nodes))
 
 
 def split_at_attention(gm: GraphModule) -> list[Step]:

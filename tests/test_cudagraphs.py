@@ -75,7 +75,7 @@ def rerun_graphs(monkeypatch):
     def piecewise(gm, inputs, compiler, static_input_idxs=(), cudagraphs=False, record_fallback=None):
         return original(gm, inputs, "eager", static_input_idxs, True, record_fallback)
 
-    def capture(self, fn, args):
+    def capture(self, fn, args, recorded):
         outputs = fn(list(args))
         return RerunGraph(fn, args, outputs), outputs
 

@@ -7,6 +7,8 @@ from typing import Sequence
 
 import torch
 
+from .step_context import to_device
+
 
 @dataclass
 class SeqChunk:
@@ -82,4 +84,4 @@ def padded_indices(indices: list[int], buckets: Sequence[int], device, num_token
     out = torch.empty(padded, dtype=torch.int64)
     out[: len(indices)] = torch.tensor(indices, dtype=torch.int64)
     out[len(indices):] = indices[-1] if indices else num_tokens - 1
-    return out.to(device)
+    return to_device(out, device)

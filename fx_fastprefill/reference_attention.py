@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .step_context import StepMetadata
+from .step_context import StepMetadata, to_device
 
 
 def _query_selection(step: StepMetadata, query_rows: Tensor | None, num_q: int, device) -> tuple[Tensor, Tensor]:
@@ -30,13 +30,17 @@ def _query_selection(step: StepMetadata, query_rows: Tensor | None, num_q: int, 
 
 
 def _new_slots(step: StepMetadata, device) -> Tensor:
-    if not step.num_seqs:
-        return torch.empty(0, dtype=torch.int64, device=device)
-    return torch.cat([
-        torch.arange(step.slot_base[i] + step.context_lens[i],
-                     step.slot_base[i] + step.context_lens[i] + step.query_start[i + 1] - step.query_start[i])
-        for i in range(step.num_seqs)
-    ]).to(device)
+    """The cache slots of this step's rows, built once per step (every layer writes the same slots)."""
+    key = f"new_slots@{device}"
+    if key not in step._tensors:
+        if not step.num_seqs:
+            return torch.empty(0, dtype=torch.int64, device=device)
+        step._tensors[key] = to_device(torch.cat([
+            torch.arange(step.slot_base[i] + step.context_lens[i],
+                         step.slot_base[i] + step.context_lens[i] + step.query_start[i + 1] - step.query_start[i])
+            for i in range(step.num_seqs)
+        ]), device)
+    return step._tensors[key]
 
 
 def write_kv_rows(k: Tensor, v: Tensor, layer: str, step: StepMetadata) -> None:

@@ -20,7 +20,7 @@ from .batch import SeqChunk, default_logits_indices, pad_to_bucket, padded_indic
 from .dynamic_shapes import compile_for_varying_sizes, varying_sizes
 from .fallbacks import FallbackCounter
 from .kv_cache import KVCache
-from .step_context import StepMetadata, step_context
+from .step_context import StepMetadata, step_context, to_device
 
 log = logging.getLogger("fx_fastprefill")
 
@@ -232,8 +232,9 @@ class Runner:
             step_id=self._step_id,
             logits_rows=list(rows),
         )
-        input_ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(r.num_computed, r.num_computed + len(c.tokens)) for r, c in zip(requests, chunks)]).to(self.device)
+        input_ids = to_device(torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64), self.device)
+        positions = to_device(torch.cat([torch.arange(r.num_computed, r.num_computed + len(c.tokens))
+                                         for r, c in zip(requests, chunks)]), self.device)
         indices = padded_indices(rows, self.logits_pad_sizes, self.device, num_tokens=num_tokens)
         with torch.no_grad(), step_context(meta), varying_sizes():
             logits = self._forward(input_ids, positions, indices)

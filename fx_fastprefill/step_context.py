@@ -54,8 +54,18 @@ class StepMetadata:
         """The named per-step list as an int64 tensor on ``device``, built once per step."""
         key = f"{name}@{device}"
         if key not in self._tensors:
-            self._tensors[key] = torch.tensor(getattr(self, name), dtype=torch.int64, device=device)
+            self._tensors[key] = to_device(torch.tensor(getattr(self, name), dtype=torch.int64), device)
         return self._tensors[key]
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host data onto ``device`` without stalling it: a copy from pageable memory waits for every
+    kernel already queued on the stream, one from pinned memory does not, so the host keeps
+    running ahead of the GPU through a step's many small metadata copies."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 _current: StepMetadata | None = None

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .step_context import StepMetadata
+from .step_context import StepMetadata, to_device
 
 # Requests with at most this many queries go to the split-KV kernel (split_kv_attention.py).
 SPLIT_KV_MAX_QUERIES = 4
@@ -58,11 +58,11 @@ def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cac
     per_seq_k = [c + m for c, m in zip(step.context_lens, new)]
     key = ("varlen", tuple(per_seq_q), cached, str(device))
     if key not in step._tensors:
-        cu_q = torch.tensor([0] + _cumsum(per_seq_q), dtype=torch.int32, device=device)
-        cu_k = torch.tensor([0] + _cumsum(per_seq_k), dtype=torch.int32, device=device)
+        cu_q = to_device(torch.tensor([0] + _cumsum(per_seq_q), dtype=torch.int32), device)
+        cu_k = to_device(torch.tensor([0] + _cumsum(per_seq_k), dtype=torch.int32), device)
         slots = None
         if cached:
-            slots = torch.cat([torch.arange(b, b + k) for b, k in zip(step.slot_base, per_seq_k)]).to(device)
+            slots = to_device(torch.cat([torch.arange(b, b + k) for b, k in zip(step.slot_base, per_seq_k)]), device)
         starts, lengths, positions = [], [], []
         offset = 0
         for nq, nk in zip(per_seq_q, per_seq_k):
@@ -70,7 +70,7 @@ def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cac
             lengths += [nk] * nq
             positions += list(range(nk - nq, nk))  # a request's queries are the suffix of its keys
             offset += nk
-        per_query = [torch.tensor(x, dtype=torch.int32, device=device) for x in (starts, lengths, positions)]
+        per_query = [to_device(torch.tensor(x, dtype=torch.int32), device) for x in (starts, lengths, positions)]
         step._tensors[key] = VarlenPacking(cu_q, cu_k, max(per_seq_q, default=0), max(per_seq_k, default=0), slots,
                                            sum(per_seq_q), *per_query)
     return step._tensors[key]

@@ -74,6 +74,8 @@ def test_left_padded_batch_matches(compiled):
     ({"logits_to_keep": 0}, "Logits for all rows were asked for"),
 ])
 def test_outputs_that_need_every_row_leave_the_graph_unchanged(compiled, kwargs, reason):
+    if compiled.model.config.model_type != "gemma3n_text":
+        pytest.skip("checked on Gemma 3n: the decision reads the graph's outputs, which both models build alike (CI time)")
     ids, mask = compiled.batch([12, 7], seed=2)
     call = dict(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
     call.update(kwargs)

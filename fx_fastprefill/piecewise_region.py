@@ -132,8 +132,8 @@ class PiecewiseRegion:
         self.stream = None
         self.staging = StagingBuffers()
         self.failed = 0
-        # Graphs of keys whose recording failed: kept, since a pool whose every graph is gone
-        # while its blocks are still in use cannot be recorded into again.
+        # Graphs of failed or dropped keys: kept, since a pool whose every graph is gone while
+        # its blocks are still in use cannot be recorded into again.
         self._kept: list = []
 
     # ----------------------------------------------------------------------------------------------
@@ -176,6 +176,7 @@ class PiecewiseRegion:
         ptrs = [args[i].data_ptr() if isinstance(args[i], Tensor) else None for i in self.static_positions]
         if self.static_ptrs is not None and ptrs != self.static_ptrs:
             self.record_fallback(reasons.CUDAGRAPH_STATIC_INPUT_MOVED)
+            self._kept += [state for state in self.keys.values() if isinstance(state, _RecordedKey)]
             self.keys.clear()
         self.static_ptrs = ptrs
         key = self._key(args)

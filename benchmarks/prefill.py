@@ -40,15 +40,16 @@ SHAPES = ((1, 2048), (1, 8192), (1, 32768), (8, 4096), (64, 512))
 
 
 def make_runner(variant: str, cfg: Config, weights: dict, device, dtype, max_tokens: int,
-                step_sizes: list[int]) -> fx_fastprefill.Runner:
+                step_sizes: list[int], logits_sizes: list[int]) -> fx_fastprefill.Runner:
     model = Gemma3nLike(cfg, hand_split=variant == "hand_split")
     model.load_state_dict(weights)
     backend = {"eager": None, "inductor": "inductor", "hand_split": "inductor", "ffp": fx_fastprefill.backend(),
                "ffp_cudagraph": fx_fastprefill.backend(cudagraphs=True)}[variant]
-    # The CUDA-graph variant captures exactly the step sizes the benchmark runs.
+    # The CUDA-graph variant captures exactly the step sizes the benchmark runs; every variant pads
+    # its logits rows to the row counts the benchmark uses (one per sequence), the same for all.
     pad = {"token_pad_sizes": step_sizes} if variant == "ffp_cudagraph" else {}
     return fx_fastprefill.Runner(model, backend=backend, max_num_tokens=max_tokens, max_model_len=16, device=device,
-                                 dtype=dtype, max_num_seqs=1, **pad)
+                                 dtype=dtype, max_num_seqs=1, logits_pad_sizes=logits_sizes, **pad)
 
 
 def prefill_once(runner: fx_fastprefill.Runner, batch: int, seq_len: int, vocab: int) -> None:
@@ -100,8 +101,9 @@ def main() -> None:
             base = {"model": model_name, "variant": variant, "ideal_speedup": ideal, "device": str(device),
                     "torch": torch.__version__, "dtype": str(dtype).replace("torch.", "")}
             step_sizes = sorted({max(2, b * s) for b, s in shapes} | {max(2, b) for b in decode_batches})
+            logits_sizes = sorted({max(2, b) for b, _ in shapes} | {max(2, b) for b in decode_batches})
             try:
-                runner = make_runner(variant, cfg, weights, device, dtype, max_tokens, step_sizes)
+                runner = make_runner(variant, cfg, weights, device, dtype, max_tokens, step_sizes, logits_sizes)
                 capture_s = runner.capture(progress=False) if variant == "ffp_cudagraph" else None
             except Exception:  # noqa: BLE001 - recorded; the other variants still run
                 records.append({**base, "error": traceback.format_exc(limit=8)})

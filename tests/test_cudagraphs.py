@@ -167,3 +167,19 @@ def test_cudagraph_replays_match_the_model_without_graphs():
     for r, g in zip(reference, replayed):
         torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-2)
     assert backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP] - warmups <= 2  # at most the pure-decode full-rows size
+
+
+def test_staging_keeps_strides_and_grows_without_moving_old_views():
+    from fx_fastprefill.piecewise_region import StagingBuffers
+    staging = StagingBuffers()
+    strided = torch.randn(4, 7, 8)[:, 2]  # [4, 8] with stride (56, 1): what a compiled reader expects
+    view = staging.view(0, strided)
+    assert view.shape == strided.shape and view.stride() == strided.stride()
+    view.copy_(strided)
+    torch.testing.assert_close(view, strided)
+    assert staging.owns(view[1:]) and not staging.owns(strided)
+    small = staging.view(0, torch.zeros(2, 8))
+    assert small.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()  # fits: same buffer
+    big = staging.view(0, torch.zeros(64, 64))
+    assert big.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+    torch.testing.assert_close(view, strided)  # the old view keeps its buffer and contents

@@ -186,13 +186,13 @@ class FastPrefillBackend:
             return self._compile_unchanged(original, example_inputs, report, static, cudagraphs)
         stages = split_regions(gm)
         static_copies = {copies[n] for n in static}
+        record_fallback = self._fallback_recorder(report)
         compiled = {name: _compile_region(stage.module, [n.meta["val"] for n in stage.inputs], self.compiler,
                                           [i for i, n in enumerate(stage.inputs) if n in static_copies], cudagraphs,
-                                          self._fallback_recorder(report))
+                                          record_fallback)
                     for name, stage in stages.items() if stage.module is not None}
-        module = FastPrefillModule(gm, stages, compiled, plan.index, plan.rows, plan.reduced_rows,
-                                   self.fallbacks, report.fallbacks, suffix=plan.suffix is not None,
-                                   copy_outputs=cudagraphs)
+        module = FastPrefillModule(gm, stages, compiled, plan.index, plan.rows, plan.reduced_rows, record_fallback,
+                                   suffix=plan.suffix is not None, copy_outputs=cudagraphs)
         reduced_attention = set(plan.reduced_attention)
         report.rows_symbol, report.reduced_rows_symbol = plan.rows, plan.reduced_rows
         report.cut = True

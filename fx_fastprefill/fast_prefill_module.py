@@ -22,7 +22,6 @@ import torch
 from torch.fx import GraphModule, Node
 
 from . import fallbacks as reasons
-from .fallbacks import FallbackCounter
 from .step_context import current_step
 
 RegionFn = Callable[[list], list]
@@ -39,8 +38,8 @@ class FastPrefillModule:
     _boxed_call = True
 
     def __init__(self, gm: GraphModule, stages: dict, compiled: dict[str, RegionFn], index: Node,
-                 rows: sympy.Symbol, reduced_rows: sympy.Expr, counter: FallbackCounter,
-                 graph_counter: FallbackCounter, suffix: bool = False, copy_outputs: bool = False):
+                 rows: sympy.Symbol, reduced_rows: sympy.Expr, record_fallback: Callable[[str], None],
+                 suffix: bool = False, copy_outputs: bool = False):
         self.gm = gm
         self.stages = stages
         self.compiled = compiled
@@ -48,7 +47,7 @@ class FastPrefillModule:
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.constants = {n: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
         self.output_args = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        self.counters = (counter, graph_counter)
+        self._record = record_fallback  # counts (and logs) a step that leaves the fast path
         self.sources = self._size_sources()
         self.rows, self.reduced_rows = rows, reduced_rows
         if rows not in self.sources:
@@ -80,13 +79,6 @@ class FastPrefillModule:
                 raise ValueError(f"reduced-region output {node.name} has shape {tuple(val.shape)}: its logits rows are not one plain dim")
             axes[node] = found[0]
         return axes
-
-    def _record(self, reason: str) -> None:
-        # The first counter (the backend's) logs; the others (per report) only count.
-        first, *rest = self.counters
-        first.record(reason)
-        for counter in rest:
-            counter[reason] += 1
 
     def _size(self, symbol: sympy.Symbol, args: list) -> int:
         src = self.sources[symbol]

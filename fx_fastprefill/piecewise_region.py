@@ -100,7 +100,7 @@ class _RecordedKey:
 
 
 class PiecewiseRegion:
-    """Runs a region's steps; with ``graphs=True`` (CUDA) records and replays its pieces.
+    """Runs a region's steps on CUDA, recording and replaying its pieces.
 
     ``static`` are the region inputs read in place (parameters, buffers); ``record_fallback`` counts
     and logs each call that runs without graphs, with its reason. ``copy_outputs``: return copies,
@@ -110,8 +110,7 @@ class PiecewiseRegion:
     _boxed_call = True
 
     def __init__(self, gm: GraphModule, steps: list, compiled: list[RegionFn | None], static: set[Node],
-                 record_fallback: Callable[[str], None], graphs: bool = True):
-        from fx_fastprefill.passes.split_at_attention import Piece
+                 record_fallback: Callable[[str], None]):
         self.steps = [(step, fn) for step, fn in zip(steps, compiled)]
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.constants = {n: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
@@ -123,9 +122,7 @@ class PiecewiseRegion:
         read_by_pieces = {n for step, fn in self.steps if fn is not None for n in step.inputs}
         self.key_positions = [i for i, n in enumerate(self.placeholders) if n not in self.static and n in read_by_pieces]
         self.record_fallback = record_fallback
-        self.graphs = graphs
         self.copy_outputs = False
-        self.num_pieces = sum(isinstance(step, Piece) for step, _ in self.steps)
         self.keys: dict[tuple, Any] = {}
         self.static_ptrs: list[int] | None = None
         self.pool = None
@@ -147,14 +144,11 @@ class PiecewiseRegion:
     def __call__(self, args: list) -> list:
         env: dict[Node, Any] = dict(zip(self.placeholders, args))
         env.update(self.constants)
-        state = None
-        if self.graphs:
-            state = self._state(args)
+        key, state = self._state(args)
         args.clear()
         if isinstance(state, _RecordedKey):
             self._replay(state, env)
         elif state is _WARMED:
-            key = self._key([env[n] for n in self.placeholders])
             try:
                 self.keys[key] = self._record(env)
             except Exception as e:  # noqa: BLE001 - counted and logged; this size runs without graphs
@@ -172,7 +166,8 @@ class PiecewiseRegion:
             outputs = [o.clone() if isinstance(o, Tensor) else o for o in outputs]
         return outputs
 
-    def _state(self, args: list) -> Any:
+    def _state(self, args: list) -> tuple[tuple, Any]:
+        """This call's key and what has been done for it (None: first call, now warming up)."""
         ptrs = [args[i].data_ptr() if isinstance(args[i], Tensor) else None for i in self.static_positions]
         if self.static_ptrs is not None and ptrs != self.static_ptrs:
             self.record_fallback(reasons.CUDAGRAPH_STATIC_INPUT_MOVED)
@@ -186,7 +181,7 @@ class PiecewiseRegion:
             self.record_fallback(reasons.CUDAGRAPH_WARMUP)
         elif state is _FAILED:
             self.record_fallback(reasons.CUDAGRAPH_RECORD_FAILED)
-        return state
+        return key, state
 
     # ----------------------------------------------------------------------------------------------
 

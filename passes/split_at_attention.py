@@ -57,14 +57,19 @@ class EagerOp:
 Step = Piece | EagerOp
 
 
-def _piece(gm: GraphModule, nodes: list[Node], index: int) -> Piece:
+def boundary(nodes: list[Node]) -> tuple[list[Node], list[Node]]:
+    """What a run of nodes reads from outside it (in first-use order), and which of its nodes are read outside it."""
     members = set(nodes)
     inputs: list[Node] = []
     for node in nodes:
         for arg in node.all_input_nodes:
             if arg not in members and arg not in inputs:
                 inputs.append(arg)
-    outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    return inputs, [n for n in nodes if any(u not in members for u in n.users)]
+
+
+def _piece(gm: GraphModule, nodes: list[Node], index: int) -> Piece:
+    inputs, outputs = boundary(nodes)
     graph = Graph()
     env: dict[Node, Node] = {}
     for i, node in enumerate(inputs):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from torch.fx import Graph, GraphModule, Node
 
 from .cut_graph import BOUNDARY_GATHER, REDUCED_SIZE_NODE, downstream
-from .split_at_attention import is_package_op
+from .split_at_attention import boundary, is_package_op
 
 FULL, BOUNDARY, REDUCED = "full", "boundary", "reduced"
 
@@ -54,13 +54,7 @@ def assign_regions(gm: GraphModule) -> dict[Node, str]:
 
 
 def extract_stage(gm: GraphModule, name: str, nodes: list[Node], build_module: bool = True) -> Stage:
-    members = set(nodes)
-    inputs: list[Node] = []
-    for node in nodes:
-        for arg in node.all_input_nodes:
-            if arg not in members and arg not in inputs:
-                inputs.append(arg)
-    outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    inputs, outputs = boundary(nodes)
     stage = Stage(name, nodes, inputs, outputs)
     if build_module:
         graph = Graph()

@@ -119,11 +119,11 @@ def main() -> None:
                 if HAS_TRITON:
                     starts, lens = cu[:-1].clone(), torch.full((seqs,), seq_len, device=dev, dtype=torch.int32)
                     pos = lens - 1
-                    split = split_kv_attention(q[last], k, v, starts, lens, pos, 1 / math.sqrt(D), window)
+                    split = split_kv_attention(q[last], k, v, starts, lens, pos, 1 / math.sqrt(D), window, seq_len)
                     ref = reference(q[last[-1:]], k[T - seq_len:], v[T - seq_len:], torch.tensor([seq_len - 1], device=dev), seq_len, window)
                     checks[f"split_kv {tag}"] = (split[-1:].float() - ref).abs().max().item()
                     timings.append({"shape": shape, "window": window, "form": "split_kv_R=seqs",
-                                    "ms": timed_ms(lambda: split_kv_attention(q[last], k, v, starts, lens, pos, 1 / math.sqrt(D), window))})
+                                    "ms": timed_ms(lambda: split_kv_attention(q[last], k, v, starts, lens, pos, 1 / math.sqrt(D), window, seq_len))})
                 if window is None and seqs == 1:
                     qb, kb, vb = (x.transpose(0, 1)[None] for x in (q, kr, vr))
                     timings.append({"shape": shape, "window": None, "form": "sdpa_dense_causal",

@@ -7,6 +7,7 @@ sees ``forward(input_ids[T], positions[T], logits_indices[R])``.
 
 from __future__ import annotations
 
+import array
 import logging
 import sys
 import time
@@ -166,8 +167,19 @@ class Runner:
     # ----- one step ------------------------------------------------------------------------------
 
     def _validate_tokens(self, seq_label: str, tokens: Sequence[int]) -> None:
+        """Every token an int inside the vocabulary. The common case is checked at C speed (a
+        32k-token prompt costs ~0.2 ms, not ~2 ms of a Python loop the GPU waits for); the loop
+        runs only to name the first bad token."""
+        try:
+            packed = torch.frombuffer(array.array("q", tokens), dtype=torch.int64) if len(tokens) else None
+        except (TypeError, OverflowError):
+            packed = None
+        if packed is not None:
+            if self.vocab_size is None or (int(packed.min()) >= 0 and int(packed.max()) < self.vocab_size):
+                return
         for i, token in enumerate(tokens):
-            if not isinstance(token, int) or (self.vocab_size is not None and not 0 <= token < self.vocab_size):
+            integer = hasattr(type(token), "__index__")  # what array("q") accepts: int, numpy and 0-d tensor ints
+            if not integer or (self.vocab_size is not None and not 0 <= token < self.vocab_size):
                 bound = f"[0, {self.vocab_size})" if self.vocab_size is not None else "an int"
                 raise ValueError(f"{seq_label}: token {i} is {token!r}, outside the vocabulary {bound}")
 
@@ -232,7 +244,8 @@ class Runner:
             step_id=self._step_id,
             logits_rows=list(rows),
         )
-        input_ids = to_device(torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64), self.device)
+        input_ids = to_device(torch.frombuffer(array.array("q", [t for c in chunks for t in c.tokens]), dtype=torch.int64),
+                              self.device)
         positions = to_device(torch.cat([torch.arange(r.num_computed, r.num_computed + len(c.tokens))
                                          for r, c in zip(requests, chunks)]), self.device)
         indices = padded_indices(rows, self.logits_pad_sizes, self.device, num_tokens=num_tokens)

@@ -39,7 +39,10 @@ if triton is not None:
         key_start = tl.load(key_start_ptr + row)
         key_len = tl.load(key_len_ptr + row)
         pos = tl.load(pos_ptr + row)
-        lo = split * SPLIT_LEN
+        block = split  # the key block this program reads: with a window, counted from the window's first block
+        if HAS_WINDOW:
+            block += tl.maximum(pos - window + 1, 0) // SPLIT_LEN
+        lo = block * SPLIT_LEN
         hi = tl.minimum(lo + SPLIT_LEN, tl.minimum(key_len, pos + 1))
         if HAS_WINDOW:
             lo = tl.maximum(lo, pos - window + 1)
@@ -51,7 +54,7 @@ if triton is not None:
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         for offset in range(0, SPLIT_LEN, BLOCK_N):  # a fixed trip count; keys past hi are masked
-            keys = split * SPLIT_LEN + offset + tl.arange(0, BLOCK_N)
+            keys = block * SPLIT_LEN + offset + tl.arange(0, BLOCK_N)
             key_ok = (keys >= lo) & (keys < hi)
             offs = (key_start + keys)[:, None]
             k = tl.load(k_ptr + offs * stride_kn + kv_head * stride_kh + dims[None, :], mask=key_ok[:, None], other=0.0)
@@ -70,32 +73,50 @@ if triton is not None:
         tl.store(m_ptr + base, m, mask=head_ok)
         tl.store(l_ptr + base, l, mask=head_ok)
 
+    @triton.jit
+    def _merge_kernel(part_ptr, m_ptr, l_ptr, out_ptr, num_splits,
+                      SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """One program per (row, head): rescale each split by exp(m_split - m_max) and normalise."""
+        pid = tl.program_id(0)
+        splits = tl.arange(0, SPLITS_PAD)
+        ok = splits < num_splits
+        dims = tl.arange(0, HEAD_DIM)
+        m = tl.load(m_ptr + pid * num_splits + splits, mask=ok, other=float("-inf"))
+        l = tl.load(l_ptr + pid * num_splits + splits, mask=ok, other=0.0)
+        m_max = tl.max(m, 0)
+        weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+        part = tl.load(part_ptr + (pid * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(part * weight[:, None], 0) / tl.sum(l * weight, 0)
+        tl.store(out_ptr + pid * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
 
 def split_kv_attention(q: Tensor, k: Tensor, v: Tensor, key_start: Tensor, key_len: Tensor, position: Tensor,
-                       scale: float, sliding_window: int | None, split_len: int = 512, block_n: int = 64) -> Tensor:
+                       scale: float, sliding_window: int | None, max_keys: int, split_len: int = 512,
+                       block_n: int = 64) -> Tensor:
     """``q [R, H, D]``; query ``r`` reads keys ``k[key_start[r] : key_start[r] + key_len[r]]`` of
-    ``k, v [N, Hkv, D]`` and sits at ``position[r]`` among them. Returns ``[R, H, D]``."""
+    ``k, v [N, Hkv, D]`` and sits at ``position[r]`` among them; ``max_keys >= max(key_len)``, known
+    on the host. Returns ``[R, H, D]``."""
     if triton is None:
         raise RuntimeError("split_kv_attention needs Triton")
     rows, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    max_keys = int(key_len.max()) if rows else 0
+    # Host-side sizes only: reading key_len back would stall the host until the GPU catches up.
     num_splits = max(1, math.ceil(max_keys / split_len))
+    if sliding_window is not None:  # a query's window spans at most this many blocks
+        num_splits = min(num_splits, math.ceil((sliding_window + split_len - 1) / split_len))
+    out = torch.empty(rows, heads, head_dim, device=q.device, dtype=q.dtype)
+    if not rows:
+        return out
     partial = torch.empty(rows, heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
     m = torch.empty(rows, heads, num_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
-    if rows:
-        _split_kv_kernel[(rows, kv_heads, num_splits)](
-            q, k, v, key_start, key_len, position, partial, m, l,
-            scale, sliding_window or 0, num_splits,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            SPLIT_LEN=split_len, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None)
-    # Merge the splits: rescale each by exp(m_split - m_max).
-    m_max = m.amax(-1, keepdim=True)
-    weight = torch.exp(m - torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max))
-    weight = torch.where(torch.isinf(m), torch.zeros_like(weight), weight)
-    total = (l * weight).sum(-1)
-    out = (partial * weight[..., None]).sum(-2) / total[..., None]
-    return out.to(q.dtype)
+    _split_kv_kernel[(rows, kv_heads, num_splits)](
+        q, k, v, key_start, key_len, position, partial, m, l,
+        scale, sliding_window or 0, num_splits,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        SPLIT_LEN=split_len, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None)
+    _merge_kernel[(rows * heads,)](partial, m, l, out, num_splits,
+                                   SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim)
+    return out

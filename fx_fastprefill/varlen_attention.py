@@ -110,7 +110,7 @@ def varlen_attention(q: Tensor, k: Tensor | None, v: Tensor | None, keys_cache: 
     real = q[: pack.num_real_queries]
     if pack.max_q <= SPLIT_KV_MAX_QUERIES and split_kv_kernel is not None:
         out = split_kv_kernel(real, keys, values, pack.query_key_start, pack.query_key_len, pack.query_position,
-                              scale, sliding_window)
+                              scale, sliding_window, pack.max_k)
     else:
         out = kernel(real, keys, values, pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, scale, sliding_window)
     if pack.num_real_queries < q.shape[0]:  # padded rows repeat the last real row; their results are dropped

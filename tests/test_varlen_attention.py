@@ -79,6 +79,39 @@ def test_split_kv_kernel_in_the_triton_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def split_kv_against_float64(seed: int = 0) -> float:
+    """Random rows of random lengths, windows that straddle key blocks, GQA group 4: the split-KV
+    kernel and its merge against a float64 reference. Returns the largest relative error."""
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for window in (None, 5, 16, 23):
+        lens = torch.randint(1, 90, (6,), generator=gen)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)[:-1]])
+        pos = torch.stack([torch.randint(0, int(n), (1,), generator=gen)[0] for n in lens])
+        q = torch.randn(6, 8, 16, generator=gen)
+        k, v = torch.randn(int(lens.sum()), 2, 16, generator=gen), torch.randn(int(lens.sum()), 2, 16, generator=gen)
+        got = split_kv_attention(q, k, v, starts.int(), lens.int(), pos.int(), 0.25, window, int(lens.max()),
+                                 split_len=16, block_n=16)
+        for r in range(6):
+            keys = torch.arange(int(lens[r]))
+            ok = keys <= pos[r] if window is None else (keys <= pos[r]) & (keys > pos[r] - window)
+            kr = k[starts[r]: starts[r] + lens[r]].double().repeat_interleave(4, 1)
+            vr = v[starts[r]: starts[r] + lens[r]].double().repeat_interleave(4, 1)
+            scores = torch.einsum("hd,khd->hk", q[r].double(), kr) * 0.25
+            ref = torch.einsum("hk,khd->hd", scores.masked_fill(~ok[None], float("-inf")).softmax(-1), vr)
+            worst = max(worst, float((got[r].double() - ref).norm() / ref.norm()))
+    return worst
+
+
+def test_split_kv_kernel_matches_float64_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    script = "from tests.test_varlen_attention import split_kv_against_float64 as f; print(max(f(s) for s in range(3)))"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.split()[-1]) < 1e-5  # float32 kernel arithmetic
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_flash_kernel_on_the_gpu_matches_the_reference(monkeypatch):

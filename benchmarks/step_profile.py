@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.prefill import MODELS, make_runner, prefill_once, prepare_decode  # noqa: E402
+from benchmarks.prefill import MODELS, make_runner, prefill_once, prepare_decode, prompts  # noqa: E402
 from examples.gemma3n import Gemma3nLike  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def main() -> None:
         runner = make_runner(variant, cfg, weights, device, dtype, max(step_sizes), step_sizes, logits_sizes)
         if variant == "ffp_cudagraph":
             runner.capture(progress=False)
-        cases = [(f"prefill {b}x{s}", lambda b=b, s=s: prefill_once(runner, b, s, cfg.vocab_size), b, s + 1)
+        cases = [(f"prefill {b}x{s}", lambda t=prompts(b, s, cfg.vocab_size): prefill_once(runner, t), b, s + 1)
                  for b, s in shapes]
         for name, fn, batch, length in cases + [("decode", None, args.decode_batch, 160)]:
             runner.resize_kv_cache(batch, length)

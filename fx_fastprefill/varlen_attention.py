@@ -63,14 +63,16 @@ def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cac
         slots = None
         if cached:
             slots = to_device(torch.cat([torch.arange(b, b + k) for b, k in zip(step.slot_base, per_seq_k)]), device)
-        starts, lengths, positions = [], [], []
-        offset = 0
-        for nq, nk in zip(per_seq_q, per_seq_k):
-            starts += [offset] * nq
-            lengths += [nk] * nq
-            positions += list(range(nk - nq, nk))  # a request's queries are the suffix of its keys
-            offset += nk
-        per_query = [to_device(torch.tensor(x, dtype=torch.int32), device) for x in (starts, lengths, positions)]
+        per_query = [None, None, None]
+        if max(per_seq_q, default=0) <= SPLIT_KV_MAX_QUERIES:  # only the split-KV kernel reads them
+            starts, lengths, positions = [], [], []
+            offset = 0
+            for nq, nk in zip(per_seq_q, per_seq_k):
+                starts += [offset] * nq
+                lengths += [nk] * nq
+                positions += list(range(nk - nq, nk))  # a request's queries are the suffix of its keys
+                offset += nk
+            per_query = [to_device(torch.tensor(x, dtype=torch.int32), device) for x in (starts, lengths, positions)]
         step._tensors[key] = VarlenPacking(cu_q, cu_k, max(per_seq_q, default=0), max(per_seq_k, default=0), slots,
                                            sum(per_seq_q), *per_query)
     return step._tensors[key]

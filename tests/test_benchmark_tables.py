@@ -1,0 +1,33 @@
+"""benchmarks/tables.py: the speedups and the issue-3 target checks computed from result records."""
+
+from benchmarks.tables import compile_s, speedups, targets
+
+
+def record(variant, shape, ms, phase="prefill", **extra):
+    batch, seq_len = shape
+    return {"file": "r.json", "model": "m", "variant": variant, "batch": batch, "seq_len": seq_len,
+            "median_ms": ms, "ideal_speedup": 1.5, "phase": phase, **extra}
+
+
+def test_targets_report_met_and_missed():
+    records = [
+        record("inductor", (1, 8192), 90.0, first_call_s=60.09),
+        record("inductor", (8, 4096), 300.0, first_call_s=20.3),  # a recompile for the new shape
+        record("ffp_cudagraph", (1, 8192), 66.0, compile_and_capture_s=100.0),  # 1.36x: 0.91 of ideal
+        record("ffp_cudagraph", (8, 4096), 200.0, compile_and_capture_s=100.0),  # 1.50x: 1.00 of ideal
+        record("hand_split", (1, 8192), 63.0),
+        record("hand_split", (8, 4096), 230.0),
+        record("inductor", (1, 1), 20.0, phase="decode"),
+        record("ffp_cudagraph", (1, 1), 20.8, phase="decode"),
+    ]
+    rows = speedups(records, "inductor")
+    assert compile_s(rows, "m", "inductor") == 60.0 + 20.0
+    table = targets(rows).splitlines()
+    met = {line.split("|")[2].strip(): line.split("|")[4].strip() for line in table[2:]}
+    assert met == {
+        "1x8192: speedup >= 0.95 x ideal 1.50": "no",
+        "8x4096: speedup >= 0.95 x ideal 1.50": "yes",
+        "never > 1.03 x hand_split": "no",               # 66 / 63 = 1.048 at 1x8192
+        "decode with the backend <= 1.02 x without": "no",  # 20.8 / 20 = 1.04
+        "compile + capture <= 1.5 x inductor's": "yes",  # 100 s against 80 s
+    }

@@ -35,8 +35,9 @@ class VarlenPacking:
     max_k: int
     key_slots: Tensor | None      # int64 [sum k]: cache slots of the packed keys; None: this step's rows
     num_real_queries: int         # queries past this are padding copies of the last real one
-    # Per query (the split-KV kernel's view): where its request's keys start in the packed keys,
-    # how many there are, and the query's position among them.
+    # Per query (the split-KV kernel's view): where its request's keys start (in the packed keys,
+    # or its first cache slot when keys come from the cache), how many there are, and the query's
+    # position among them.
     query_key_start: Tensor | None = None
     query_key_len: Tensor | None = None
     query_position: Tensor | None = None
@@ -67,8 +68,9 @@ def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cac
         if max(per_seq_q, default=0) <= SPLIT_KV_MAX_QUERIES:  # only the split-KV kernel reads them
             starts, lengths, positions = [], [], []
             offset = 0
-            for nq, nk in zip(per_seq_q, per_seq_k):
-                starts += [offset] * nq
+            for nq, nk, base in zip(per_seq_q, per_seq_k, step.slot_base):
+                # From the cache, the split-KV kernel reads a request's contiguous slots in place.
+                starts += [base if cached else offset] * nq
                 lengths += [nk] * nq
                 positions += list(range(nk - nq, nk))  # a request's queries are the suffix of its keys
                 offset += nk
@@ -104,16 +106,16 @@ def varlen_attention(q: Tensor, k: Tensor | None, v: Tensor | None, keys_cache: 
     pack = packing(step, query_rows, q.device, keys_from_cache=k is None)
     if pack is None:
         return None
-    if pack.key_slots is None:
-        keys, values = k, v
-    else:
-        keys, values = keys_cache[pack.key_slots].to(q.dtype), values_cache[pack.key_slots].to(q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     real = q[: pack.num_real_queries]
     if pack.max_q <= SPLIT_KV_MAX_QUERIES and split_kv_kernel is not None:
+        keys, values = (k, v) if pack.key_slots is None else (keys_cache.to(q.dtype), values_cache.to(q.dtype))
         out = split_kv_kernel(real, keys, values, pack.query_key_start, pack.query_key_len, pack.query_position,
                               scale, sliding_window, pack.max_k)
     else:
+        keys, values = k, v
+        if pack.key_slots is not None:  # the varlen kernel takes packed keys: gather the requests' slots
+            keys, values = keys_cache[pack.key_slots].to(q.dtype), values_cache[pack.key_slots].to(q.dtype)
         out = kernel(real, keys, values, pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, scale, sliding_window)
     if pack.num_real_queries < q.shape[0]:  # padded rows repeat the last real row; their results are dropped
         out = torch.cat([out, out[-1:].expand(q.shape[0] - pack.num_real_queries, *out.shape[1:])])

@@ -79,7 +79,7 @@ def test_split_kv_kernel_in_the_triton_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def split_kv_against_float64(seed: int = 0) -> float:
+def split_kv_against_float64(seed: int = 0, device: str = "cpu") -> float:
     """Random rows of random lengths, windows that straddle key blocks, GQA group 4: the split-KV
     kernel and its merge against a float64 reference. Returns the largest relative error."""
     gen = torch.Generator().manual_seed(seed)
@@ -90,8 +90,8 @@ def split_kv_against_float64(seed: int = 0) -> float:
         pos = torch.stack([torch.randint(0, int(n), (1,), generator=gen)[0] for n in lens])
         q = torch.randn(6, 8, 16, generator=gen)
         k, v = torch.randn(int(lens.sum()), 2, 16, generator=gen), torch.randn(int(lens.sum()), 2, 16, generator=gen)
-        got = split_kv_attention(q, k, v, starts.int(), lens.int(), pos.int(), 0.25, window, int(lens.max()),
-                                 split_len=16, block_n=16)
+        on = [t.to(device) for t in (q, k, v, starts.int(), lens.int(), pos.int())]
+        got = split_kv_attention(*on, 0.25, window, int(lens.max()), split_len=16, block_n=16).cpu()
         for r in range(6):
             keys = torch.arange(int(lens[r]))
             ok = keys <= pos[r] if window is None else (keys <= pos[r]) & (keys > pos[r] - window)
@@ -110,6 +110,12 @@ def test_split_kv_kernel_matches_float64_in_the_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.split()[-1]) < 1e-5  # float32 kernel arithmetic
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_split_kv_kernel_on_the_gpu_matches_float64():
+    assert max(split_kv_against_float64(seed, "cuda") for seed in range(3)) < 5e-3  # tf32 dots
 
 
 @pytest.mark.gpu

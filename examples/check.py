@@ -26,6 +26,8 @@ def main(model_cls, presets: dict, doc: str) -> None:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--max-num-tokens", type=int, default=32, help="token budget of one step (longer prompts are chunked)")
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "eager"])
+    parser.add_argument("--cudagraphs", action="store_true",
+                        help="piecewise CUDA graphs (on CUDA): every step size is recorded before the first step")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     cfg = presets[args.preset]
@@ -39,8 +41,10 @@ def main(model_cls, presets: dict, doc: str) -> None:
     start = time.perf_counter()
     ref_logits = reference.prefill(prompts)
     ref_tokens = reference.generate(prompts, args.new_tokens)
-    backend = fx_fastprefill.backend(compiler=args.compiler, prompt_len=max(map(len, prompts)))
+    backend = fx_fastprefill.backend(compiler=args.compiler, prompt_len=max(map(len, prompts)), cudagraphs=args.cudagraphs)
     fast = fx_fastprefill.Runner(model, backend=backend, **common)
+    if args.cudagraphs:
+        fast.capture()
     logits = fast.prefill(prompts)
     tokens = fast.generate(prompts, args.new_tokens)
     elapsed = time.perf_counter() - start

@@ -3,6 +3,7 @@ AltUp-style hidden streams and per-layer inputs.
 
     python examples/gemma3n.py            # tiny config on the CPU: prints the report and checks itself
     python examples/gemma3n.py --preset e2b --device cuda --dtype bfloat16
+    python examples/gemma3n.py --device cuda --cudagraphs    # piecewise CUDA graphs, recorded up front
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A step is host-bound when the host takes longer to issue its work than the device takes to run it;
 then only fewer or cheaper host calls make it faster. For each variant and shape this prints and
 writes: ``host_ms`` (``Runner.step`` returns before the device finishes), ``total_ms`` (CUDA events,
-to the end of the device work), ``kernel_ms`` (sum of device kernel times in a profiler trace) and
-the operators that cost the host most.
+to the end of the device work), ``device_busy_ms`` / ``device_span_ms`` (union of the kernels in a
+profiler trace, and first to last kernel) and the operators that cost the host most.
 
     PYTHONPATH=. python3 benchmarks/step_profile.py --model gemma3n-e2b --variants inductor,ffp_cudagraph \
         --out $OUT/profile.json --traces $OUT
@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,16 +44,28 @@ def host_and_total_ms(fn, runs: int) -> tuple[float, float]:
     return statistics.median(hosts), statistics.median(totals)
 
 
-def profiled(fn, trace: Path | None) -> tuple[float, str]:
+def device_busy_ms(trace_events: list[dict]) -> tuple[float, float]:
+    """Union of the device's kernel, copy and memset intervals, and the span from the first to the
+    last of them (busy < span: the device waited for the host)."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace_events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not spans:
+        return 0.0, 0.0
+    busy, end = 0.0, spans[0][0]
+    for start, stop in spans:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy / 1e3, (end - spans[0][0]) / 1e3
+
+
+def profiled(fn, trace: Path) -> tuple[float, float, str]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    if trace is not None:
-        prof.export_chrome_trace(str(trace))
-    averages = prof.key_averages()
-    kernel_us = sum(e.self_device_time_total for e in averages if e.self_device_time_total > 0)
-    table = averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
-    return kernel_us / 1e3, table
+    prof.export_chrome_trace(str(trace))
+    busy_ms, span_ms = device_busy_ms(json.loads(trace.read_text())["traceEvents"])
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+    return busy_ms, span_ms, table
 
 
 def main() -> None:
@@ -88,10 +101,11 @@ def main() -> None:
             for _ in range(3):
                 fn()
             host_ms, total_ms = host_and_total_ms(fn, args.runs)
-            trace = Path(args.traces) / f"{args.model}-{variant}-{name.replace(' ', '-')}.json" if args.traces else None
-            kernel_ms, table = profiled(fn, trace)
+            trace = Path(args.traces or tempfile.mkdtemp()) / f"{args.model}-{variant}-{name.replace(' ', '-')}.json"
+            busy_ms, span_ms, table = profiled(fn, trace)
             record = {"model": args.model, "variant": variant, "case": name, "host_ms": host_ms,
-                      "total_ms": total_ms, "kernel_ms": kernel_ms, "fallbacks": dict(runner.fallbacks or {})}
+                      "total_ms": total_ms, "device_busy_ms": busy_ms, "device_span_ms": span_ms,
+                      "fallbacks": dict(runner.fallbacks or {})}
             print(json.dumps(record), flush=True)
             print(table, flush=True)
             records.append({**record, "top_host_ops": table})

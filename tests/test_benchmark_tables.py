@@ -1,4 +1,5 @@
-"""benchmarks/tables.py: the speedups and the issue-3 target checks computed from result records."""
+"""The benchmark helpers: speedups and issue 3's target checks from records (tables.py), device busy
+time from a profiler trace (step_profile.py)."""
 
 from benchmarks.tables import compile_s, speedups, targets
 
@@ -31,3 +32,10 @@ def test_targets_report_met_and_missed():
         "decode with the backend <= 1.02 x without": "no",  # 20.8 / 20 = 1.04
         "compile + capture <= 1.5 x inductor's": "yes",  # 100 s against 80 s
     }
+
+
+def test_device_busy_time_is_the_union_of_kernel_intervals():
+    from benchmarks.step_profile import device_busy_ms
+    events = [{"ph": "X", "cat": "kernel", "ts": 0, "dur": 10}, {"ph": "X", "cat": "gpu_memcpy", "ts": 5, "dur": 10},
+              {"ph": "X", "cat": "cpu_op", "ts": 15, "dur": 100}, {"ph": "X", "cat": "kernel", "ts": 40, "dur": 5}]
+    assert device_busy_ms(events) == (0.02, 0.045)  # 15 us + 5 us busy over a 45 us span, host ops ignored

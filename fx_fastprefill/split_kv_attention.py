@@ -57,8 +57,9 @@ if triton is not None:
             keys = block * SPLIT_LEN + offset + tl.arange(0, BLOCK_N)
             key_ok = (keys >= lo) & (keys < hi)
             offs = (key_start + keys)[:, None]
-            k = tl.load(k_ptr + offs * stride_kn + kv_head * stride_kh + dims[None, :], mask=key_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + offs * stride_vn + kv_head * stride_vh + dims[None, :], mask=key_ok[:, None], other=0.0)
+            # K/V in the queries' dtype (a cache may be stored in another): cast per block, never a copy of the cache.
+            k = tl.load(k_ptr + offs * stride_kn + kv_head * stride_kh + dims[None, :], mask=key_ok[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + offs * stride_vn + kv_head * stride_vh + dims[None, :], mask=key_ok[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             s = tl.where(key_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))

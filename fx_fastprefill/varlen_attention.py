@@ -109,7 +109,7 @@ def varlen_attention(q: Tensor, k: Tensor | None, v: Tensor | None, keys_cache: 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     real = q[: pack.num_real_queries]
     if pack.max_q <= SPLIT_KV_MAX_QUERIES and split_kv_kernel is not None:
-        keys, values = (k, v) if pack.key_slots is None else (keys_cache.to(q.dtype), values_cache.to(q.dtype))
+        keys, values = (k, v) if pack.key_slots is None else (keys_cache, values_cache)  # read in place
         out = split_kv_kernel(real, keys, values, pack.query_key_start, pack.query_key_len, pack.query_position,
                               scale, sliding_window, pack.max_k)
     else:

@@ -175,7 +175,8 @@ class Runner:
         except (TypeError, OverflowError):
             packed = None
         if packed is not None:
-            if self.vocab_size is None or (int(packed.min()) >= 0 and int(packed.max()) < self.vocab_size):
+            low, high = torch.aminmax(packed)
+            if self.vocab_size is None or (int(low) >= 0 and int(high) < self.vocab_size):
                 return
         for i, token in enumerate(tokens):
             integer = hasattr(type(token), "__index__")  # what array("q") accepts: int, numpy and 0-d tensor ints

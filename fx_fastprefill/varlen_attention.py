@@ -29,21 +29,27 @@ Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, float, int 
 
 @dataclass
 class VarlenPacking:
-    cu_q: Tensor                  # int32 [n + 1]
-    cu_k: Tensor                  # int32 [n + 1]
+    """What one attention call's kernel reads; built once per step and form, and only for the
+    kernel the call uses."""
     max_q: int
     max_k: int
-    key_slots: Tensor | None      # int64 [sum k]: cache slots of the packed keys; None: this step's rows
     num_real_queries: int         # queries past this are padding copies of the last real one
-    # Per query (the split-KV kernel's view): where its request's keys start (in the packed keys,
-    # or its first cache slot when keys come from the cache), how many there are, and the query's
-    # position among them.
+    from_cache: bool              # keys are read from the cache (a cached prefix, or a sharing layer without K/V)
+    split_kv: bool                # the split-KV kernel takes the call (few queries per request)
+    # The varlen kernel's view: cumulative query and key counts, and the cache slots to gather.
+    cu_q: Tensor | None = None    # int32 [n + 1]
+    cu_k: Tensor | None = None    # int32 [n + 1]
+    key_slots: Tensor | None = None  # int64 [sum k], when from_cache
+    # The split-KV kernel's view, per query: where its request's keys start (in this step's rows, or
+    # its first cache slot: a request's slots are contiguous, read in place), how many there are,
+    # and the query's position among them.
     query_key_start: Tensor | None = None
     query_key_len: Tensor | None = None
     query_position: Tensor | None = None
 
 
-def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cache: bool = False) -> VarlenPacking | None:
+def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cache: bool = False,
+            split_kv_available: bool = False) -> VarlenPacking | None:
     """The packing of one attention call; None when the call's query rows are not known on the host."""
     n = step.num_seqs
     new = [step.query_start[i + 1] - step.query_start[i] for i in range(n)]
@@ -56,27 +62,28 @@ def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cac
     else:
         return None
     cached = keys_from_cache or any(c > 0 for c in step.context_lens)
-    per_seq_k = [c + m for c, m in zip(step.context_lens, new)]
-    key = ("varlen", tuple(per_seq_q), cached, str(device))
+    split_kv = split_kv_available and max(per_seq_q, default=0) <= SPLIT_KV_MAX_QUERIES
+    key = ("varlen", tuple(per_seq_q), cached, split_kv, str(device))
     if key not in step._tensors:
-        cu_q = to_device(torch.tensor([0] + _cumsum(per_seq_q), dtype=torch.int32), device)
-        cu_k = to_device(torch.tensor([0] + _cumsum(per_seq_k), dtype=torch.int32), device)
-        slots = None
-        if cached:
-            slots = to_device(torch.cat([torch.arange(b, b + k) for b, k in zip(step.slot_base, per_seq_k)]), device)
-        per_query = [None, None, None]
-        if max(per_seq_q, default=0) <= SPLIT_KV_MAX_QUERIES:  # only the split-KV kernel reads them
+        per_seq_k = [c + m for c, m in zip(step.context_lens, new)]
+        pack = VarlenPacking(max(per_seq_q, default=0), max(per_seq_k, default=0), sum(per_seq_q), cached, split_kv)
+        if split_kv:
             starts, lengths, positions = [], [], []
             offset = 0
             for nq, nk, base in zip(per_seq_q, per_seq_k, step.slot_base):
-                # From the cache, the split-KV kernel reads a request's contiguous slots in place.
                 starts += [base if cached else offset] * nq
                 lengths += [nk] * nq
                 positions += list(range(nk - nq, nk))  # a request's queries are the suffix of its keys
                 offset += nk
-            per_query = [to_device(torch.tensor(x, dtype=torch.int32), device) for x in (starts, lengths, positions)]
-        step._tensors[key] = VarlenPacking(cu_q, cu_k, max(per_seq_q, default=0), max(per_seq_k, default=0), slots,
-                                           sum(per_seq_q), *per_query)
+            pack.query_key_start, pack.query_key_len, pack.query_position = (
+                to_device(torch.tensor(x, dtype=torch.int32), device) for x in (starts, lengths, positions))
+        else:
+            pack.cu_q = to_device(torch.tensor([0] + _cumsum(per_seq_q), dtype=torch.int32), device)
+            pack.cu_k = to_device(torch.tensor([0] + _cumsum(per_seq_k), dtype=torch.int32), device)
+            if cached:
+                pack.key_slots = to_device(torch.cat([torch.arange(b, b + k) for b, k in zip(step.slot_base, per_seq_k)]),
+                                           device)
+        step._tensors[key] = pack
     return step._tensors[key]
 
 
@@ -103,18 +110,18 @@ def varlen_attention(q: Tensor, k: Tensor | None, v: Tensor | None, keys_cache: 
     ``split_kv_kernel`` (when given) takes calls whose requests have at most
     ``SPLIT_KV_MAX_QUERIES`` queries each: the logits rows of a prefill, and decode."""
     # A sharing layer called without its source's rows (eager, or a hand-split model) reads the cache.
-    pack = packing(step, query_rows, q.device, keys_from_cache=k is None)
+    pack = packing(step, query_rows, q.device, keys_from_cache=k is None, split_kv_available=split_kv_kernel is not None)
     if pack is None:
         return None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     real = q[: pack.num_real_queries]
-    if pack.max_q <= SPLIT_KV_MAX_QUERIES and split_kv_kernel is not None:
-        keys, values = (k, v) if pack.key_slots is None else (keys_cache, values_cache)  # read in place
+    if pack.split_kv:
+        keys, values = (keys_cache, values_cache) if pack.from_cache else (k, v)  # the cache read in place
         out = split_kv_kernel(real, keys, values, pack.query_key_start, pack.query_key_len, pack.query_position,
                               scale, sliding_window, pack.max_k)
     else:
         keys, values = k, v
-        if pack.key_slots is not None:  # the varlen kernel takes packed keys: gather the requests' slots
+        if pack.from_cache:  # the varlen kernel takes packed keys: gather the requests' slots
             keys, values = keys_cache[pack.key_slots].to(q.dtype), values_cache[pack.key_slots].to(q.dtype)
         out = kernel(real, keys, values, pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, scale, sliding_window)
     if pack.num_real_queries < q.shape[0]:  # padded rows repeat the last real row; their results are dropped

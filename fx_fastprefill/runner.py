@@ -19,6 +19,7 @@ from torch import nn
 
 from .batch import SeqChunk, default_logits_indices, pad_to_bucket, padded_indices, validate_logits_indices
 from .dynamic_shapes import compile_for_varying_sizes, varying_sizes
+from .dynamo_guards import cheap_guards
 from .fallbacks import FallbackCounter
 from .kv_cache import KVCache
 from .step_context import StepMetadata, step_context, to_device
@@ -250,7 +251,7 @@ class Runner:
         positions = to_device(torch.cat([torch.arange(r.num_computed, r.num_computed + len(c.tokens))
                                          for r, c in zip(requests, chunks)]), self.device)
         indices = padded_indices(rows, self.logits_pad_sizes, self.device, num_tokens=num_tokens)
-        with torch.no_grad(), step_context(meta), varying_sizes():
+        with torch.no_grad(), step_context(meta), varying_sizes(), cheap_guards():
             logits = self._forward(input_ids, positions, indices)
         for request, chunk in zip(requests, chunks):
             if request is not self._padding:  # padding rows rewrite position 0 of their own region

@@ -62,3 +62,29 @@ def test_peak_memory_of_a_prefill_step_is_not_higher_with_the_pass(compiler):
         peaks[fast_prefill] = peak_bytes(lambda: runner.step(chunks))
     assert peaks[False] > 0
     assert peaks[True] <= peaks[False], peaks
+
+
+def test_a_changed_attribute_or_parameter_recompiles_under_cheap_guards():
+    """The Runner traces with dict-tag guards and constant floats (fx_fastprefill/dynamo_guards.py);
+    setting a float attribute, a config field or a new parameter after compiling must still be seen."""
+    model = small_model()
+    backend = fx_fastprefill.backend(compiler="eager")
+    fast = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=8, max_model_len=16)
+    ref = fx_fastprefill.Runner(model, max_num_tokens=8, max_model_len=16)
+    changes = [
+        lambda: setattr(model.layers[1].mlp_norm, "eps", 0.5),
+        lambda: setattr(model.cfg, "softcap", 3.0),
+        lambda: setattr(model.layers[4].mlp.down, "weight", torch.nn.Parameter(torch.randn_like(model.layers[4].mlp.down.weight))),
+    ]
+    for seq_id, change in enumerate([None, *changes]):
+        if change is not None:
+            before = ref.step([SeqChunk(100 + seq_id, [3, 1, 4, 1, 5], 1)])
+            ref.free(100 + seq_id)
+            change()
+        chunk = [SeqChunk(seq_id, [3, 1, 4, 1, 5], 1)]
+        expected = ref.step(chunk)
+        if change is not None:
+            assert not torch.allclose(expected, before), "the change did not alter the eager model's output"
+        torch.testing.assert_close(fast.step(chunk), expected, **TOL)
+        fast.free(seq_id)
+        ref.free(seq_id)

@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 
 def load(paths: list[str]) -> list[dict]:
+    """Every timed record; a variant that failed (an ``error`` record) is named on stderr."""
     records = []
     for path in paths:
         for record in json.loads(Path(path).read_text()):
+            if "error" in record:
+                last = record["error"].strip().splitlines()[-1]
+                print(f"{Path(path).name}: {record.get('model')} {record.get('variant')} failed: {last}", file=sys.stderr)
+                continue
             records.append({**record, "file": Path(path).name})
     return records
 

@@ -1,6 +1,8 @@
 """The benchmark helpers: speedups and issue 3's target checks from records (tables.py), device busy
 time from a profiler trace (step_profile.py)."""
 
+import json
+
 from benchmarks.tables import compile_s, speedups, targets
 
 
@@ -39,3 +41,13 @@ def test_device_busy_time_is_the_union_of_kernel_intervals():
     events = [{"ph": "X", "cat": "kernel", "ts": 0, "dur": 10}, {"ph": "X", "cat": "gpu_memcpy", "ts": 5, "dur": 10},
               {"ph": "X", "cat": "cpu_op", "ts": 15, "dur": 100}, {"ph": "X", "cat": "kernel", "ts": 40, "dur": 5}]
     assert device_busy_ms(events) == (0.02, 0.045)  # 15 us + 5 us busy over a 45 us span, host ops ignored
+
+
+def test_a_failed_variant_is_named_and_skipped(tmp_path, capsys):
+    from benchmarks.tables import load
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps([record("inductor", (1, 8192), 90.0),
+                                {"model": "m", "variant": "ffp_cudagraph", "error": "Traceback ...\nAssertionError: stride"}]))
+    records = load([str(path)])
+    assert [r["variant"] for r in records] == ["inductor"]
+    assert "m ffp_cudagraph failed: AssertionError: stride" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from . import fallbacks as fallback_reasons
 from .fallbacks import FallbackCounter
 from .fast_prefill_module import FastPrefillModule
 from .report import AttentionLayerInfo, FastPrefillReport
-from .report_builder import clean_name, gathered, hoist_stop, kv_consumers
+from .report_builder import clean_name, gathered, hoist_stop, kv_consumers, narrowed_tensor
 
 log = logging.getLogger("fx_fastprefill")
 
@@ -136,6 +136,7 @@ class FastPrefillBackend:
         from fx_fastprefill.passes.flops import estimate_flops
         from fx_fastprefill.passes.gather_hoisting import NoCut, analyze
         from fx_fastprefill.passes.link_kv_sources import link_kv_sources
+        from fx_fastprefill.passes.narrow_sliced_producers import narrow_sliced_producers
         from fx_fastprefill.passes.split_regions import split_regions
 
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -170,6 +171,9 @@ class FastPrefillBackend:
             report.reason = str(e) if not report.reason else report.reason + "; " + str(e)
             return self._compile_unchanged(original, example_inputs, report, static, cudagraphs)
         report.flops_full = estimate_flops(gm, plan.rows, plan.reduced_rows, self.prompt_len)
+        narrowed = narrow_sliced_producers(gm, plan)
+        if narrowed:
+            plan = analyze(gm)  # the reduced slices' producers can now join the reduced region
         feeds_kv = kv_consumers(gm)
         report.stops = [hoist_stop(stop, report, feeds_kv) for stop in plan.stops]
         if not plan.reduced_attention:
@@ -200,6 +204,7 @@ class FastPrefillBackend:
                                 f"the last {plan.suffix} row{'s' if plan.suffix > 1 else ''} of each sequence (logits_to_keep)")
         report.reduced_layers = [a.layer for a in find_attention_nodes(gm.graph) if a.node in reduced_attention]
         report.gathered = [gathered(node, report) for node in stages["boundary"].nodes if "ffp_source" in node.meta]
+        report.narrowed = [narrowed_tensor(split, report) for split in narrowed]
         report.flops_cut = estimate_flops(gm, plan.rows, plan.reduced_rows, self.prompt_len)
         report.flops_removed_fraction = 1.0 - report.flops_cut / report.flops_full if report.flops_full else 0.0
         report.graph = gm

@@ -19,6 +19,21 @@ class GatheredTensor:
 
 
 @dataclass
+class NarrowedTensor:
+    """A tensor the regions read in disjoint slices of one dim: each region computes only its own."""
+    name: str
+    shape: str
+    dim: int
+    full: list[int]     # [start, end) read for all rows
+    reduced: list[int]  # [start, end) read for the logits rows only
+    source_line: str = ""
+
+    def __str__(self) -> str:
+        return (f"{self.name}: {self.shape}, dim {self.dim}: [{self.full[0]}:{self.full[1]}] for all rows, "
+                f"[{self.reduced[0]}:{self.reduced[1]}] for the logits rows only")
+
+
+@dataclass
 class HoistStop:
     """A tensor the gather could not move past: it is gathered at the boundary instead."""
     tensor: str
@@ -50,6 +65,8 @@ class FastPrefillReport:
     # How the logits rows are chosen: "rows by logits_indices" or "the last k rows of each sequence".
     row_selection: str = ""
     gathered: list[GatheredTensor] = field(default_factory=list)
+    # Tensors split so that each region computes only the slices it reads (narrow_sliced_producers).
+    narrowed: list[NarrowedTensor] = field(default_factory=list)
     stops: list[HoistStop] = field(default_factory=list)
     prompt_len: int = 0
     flops_full: float = 0.0
@@ -80,6 +97,7 @@ class FastPrefillReport:
             "reduced_layers": list(self.reduced_layers),
             "row_selection": self.row_selection,
             "gathered": [asdict(g) for g in self.gathered],
+            "narrowed": [asdict(n) for n in self.narrowed],
             "stops": [asdict(s) for s in self.stops],
             "prompt_len": self.prompt_len,
             "flops_full": self.flops_full,
@@ -121,6 +139,9 @@ class FastPrefillReport:
             lines.append(f"logits rows: {self.row_selection}")
         lines.append("gathered at the boundary:")
         lines.extend(f"  {g}" for g in self.gathered)
+        if self.narrowed:
+            lines.append("split so that each region computes only the slices it reads:")
+            lines.extend(f"  {n}" for n in self.narrowed)
         lines.append(f"prefill FLOPs removed at prompt length {self.prompt_len}: {100 * self.flops_removed_fraction:.1f}%")
         if self.cudagraphs:
             lines.append("piecewise CUDA graphs: on (attention outside, the code between captured per size)")

@@ -16,7 +16,7 @@ from fx_fastprefill.attention_op import ATTENTION_OP, K, KV_SOURCE, LAYER, V, WR
 from fx_fastprefill.passes.attention_nodes import find_attention_nodes
 from fx_fastprefill.sdpa_op import SDPA_K, SDPA_LAYER, SDPA_OP, SDPA_V
 
-from .report import FastPrefillReport, GatheredTensor, HoistStop
+from .report import FastPrefillReport, GatheredTensor, HoistStop, NarrowedTensor
 
 
 def clean_name(name: str) -> str:
@@ -106,11 +106,24 @@ def hoist_stop(stop, report: FastPrefillReport, feeds_kv: dict[Node, list[str]])
                      describe(blocker, report) if blocker is not None else "", kv_layers)
 
 
-def gathered(node: Node, report: FastPrefillReport) -> GatheredTensor:
-    from .graph_printer import format_shape
-    source = node.meta["ffp_source"]
+def _size_names(report: FastPrefillReport) -> dict:
     symbols = {report.rows_symbol: "T"}
     if isinstance(report.reduced_rows_symbol, sympy.Symbol):  # a static suffix has no symbol
         symbols[report.reduced_rows_symbol] = "R"
+    return symbols
+
+
+def gathered(node: Node, report: FastPrefillReport) -> GatheredTensor:
+    from .graph_printer import format_shape
+    source = node.meta["ffp_source"]
+    symbols = _size_names(report)
     shape = f"{format_shape(source.meta['val'], symbols)} -> {format_shape(node.meta['val'], symbols)}"
     return GatheredTensor(describe(source, report), shape, source_line(source))
+
+
+def narrowed_tensor(split, report: FastPrefillReport) -> NarrowedTensor:
+    """A tensor split by passes/narrow_sliced_producers.py (``split`` is its ``Narrowed``)."""
+    from .graph_printer import format_shape
+    node = split.tensor
+    return NarrowedTensor(describe(node, report), format_shape(node.meta["val"], _size_names(report)), split.dim,
+                          list(split.full), list(split.reduced), source_line(node))

@@ -76,13 +76,14 @@ class RerunGraph:
                 out.copy_(new)
 
 
-@pytest.fixture
-def rerun_graphs(monkeypatch):
-    """Cut regions run as pieces recorded by RerunGraph (eager pieces, CPU)."""
+@pytest.fixture(params=["eager", "inductor"])
+def rerun_graphs(monkeypatch, request):
+    """Cut regions run as pieces recorded by RerunGraph (CPU). With Inductor pieces, each piece
+    also checks that its inputs have the sizes and strides it was compiled for."""
     original = compile_backend._compile_region
 
     def piecewise(gm, inputs, compiler, static_input_idxs=(), cudagraphs=False, record_fallback=None):
-        return original(gm, inputs, "eager", static_input_idxs, True, record_fallback)
+        return original(gm, inputs, request.param, static_input_idxs, True, record_fallback)
 
     def capture(self, fn, args, recorded):
         outputs = fn(list(args))

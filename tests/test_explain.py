@@ -20,9 +20,11 @@ EXPECTED = {
     "examples.gemma3n:tiny": {
         "eligible": [f"layers.{i}" for i, s in enumerate(gemma3n.kv_sources(gemma3n.Config())) if s is not None],
         "source_file": "gemma3n.py",
+        # per_layer [T, 10 layers, 8]: layers 5-9 (the sharing run and the last K/V producer) read it on R rows
+        "narrowed": [(1, [0, 5], [5, 10])],
     },
-    "examples.yoco:tiny": {"eligible": ["cross.1", "cross.2"], "source_file": "yoco.py"},
-    "examples.dense:tiny": {"eligible": [], "source_file": "dense.py"},
+    "examples.yoco:tiny": {"eligible": ["cross.1", "cross.2"], "source_file": "yoco.py", "narrowed": []},
+    "examples.dense:tiny": {"eligible": [], "source_file": "dense.py", "narrowed": []},
 }
 
 
@@ -66,6 +68,7 @@ def test_json_names_layers_gathers_and_flops(capsys, spec):
         full, reduced = g["shape"].split(" -> ")
         assert "T" in full and "R" in reduced, g
     assert any(g["name"] == "positions" for g in out["gathered"])
+    assert [(n["dim"], n["full"], n["reduced"]) for n in out["narrowed"]] == expected["narrowed"]
     for stop in out["stops"]:
         assert stop["op"] and stop["reason"]
     model_stops = [s for s in out["stops"] if s["op"] != "graph input"]

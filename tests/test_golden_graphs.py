@@ -54,7 +54,7 @@ class TestGoldenGraphs(expecttest.TestCase):
         self.assertExpectedInline(summary(report), """\
 eligible: layers.2, layers.3
 reduced: layers.1, layers.2, layers.3
-gathered: f32[T, 4, 4] -> f32[R, 4, 4]; f32[T, 16] -> f32[R, 16]; i64[T] -> i64[R]; f32[T, 16] -> f32[R, 16]; f32[2, T, 16] -> f32[2, R, 16]""")
+gathered: i64[T] -> i64[R]; f32[T, 16] -> f32[R, 16]; f32[T, 16] -> f32[R, 16]; i64[T] -> i64[R]; f32[T, 16] -> f32[R, 16]; f32[2, T, 16] -> f32[2, R, 16]""")
 
     def test_yoco(self):
         report = cut_report(models()["yoco"])

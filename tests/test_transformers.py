@@ -61,6 +61,10 @@ def test_batch_of_one_matches_and_report_names_shared_layers(compiled):
     # The cut reaches the last K/V-producing layer's queries: one layer more than the sharing run.
     assert report.reduced_layers[1:] == compiled.shared
     assert 0.2 < report.flops_removed_fraction < 0.9
+    # The per-layer inputs [B, S, layers, width]: the reduced layers' slices are computed on R rows.
+    first_reduced = int(report.reduced_layers[0].split(".")[2])
+    assert [(n.dim, n.full, n.reduced) for n in report.narrowed] == [
+        (2, [0, first_reduced], [first_reduced, compiled.config.num_hidden_layers])]
 
 
 def test_left_padded_batch_matches(compiled):

@@ -196,7 +196,9 @@ def _push(node: Node, dim: int, start: int, end: int) -> _Push | None:
         d0, d1 = (0, 1) if target is aten.t.default else (args[1] % rank, args[2] % rank)
         return _Push(target, (_Request(args[0], {d0: d1, d1: d0}.get(dim, dim), start, end), *args[1:]), kwargs)
     if target in _REDUCTIONS:
-        src, dims = args[0], args[1]
+        src, dims = args[0], args[1] if len(args) > 1 else kwargs.get("dim")
+        if not dims and dims != 0:
+            return None  # no dims (None or []): every dim is reduced
         src_rank = src.meta["val"].dim()
         reduced = {d % src_rank for d in ([dims] if isinstance(dims, int) else dims)}
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)

@@ -17,6 +17,8 @@ transformers = pytest.importorskip("transformers")
 import fx_fastprefill  # noqa: E402
 from examples import hf_gemma3n, hf_gemma4  # noqa: E402
 from examples.hf_check import check_prefill, compile_with_pass, greedy, left_padded_batch  # noqa: E402
+from fx_fastprefill.passes.split_regions import FULL, REDUCED  # noqa: E402
+from tests.test_narrow_sliced_producers import products_of  # noqa: E402
 
 MODELS = {"gemma3n": hf_gemma3n}
 if hasattr(transformers, "Gemma4ForCausalLM"):
@@ -65,6 +67,9 @@ def test_batch_of_one_matches_and_report_names_shared_layers(compiled):
     first_reduced = int(report.reduced_layers[0].split(".")[2])
     assert [(n.dim, n.full, n.reduced) for n in report.narrowed] == [
         (2, [0, first_reduced], [first_reduced, compiled.config.num_hidden_layers])]
+    # ...through the norm that reads the projection twice, up to the projection itself.
+    projections = products_of(report, "model.per_layer_model_projection.weight")
+    assert sorted(region for region, _ in projections) == sorted([FULL, REDUCED])
 
 
 def test_left_padded_batch_matches(compiled):

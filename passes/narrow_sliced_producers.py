@@ -3,8 +3,8 @@
 Gemma 3n and Gemma 4 compute every layer's per-layer input up front, for all tokens: one product
 ``[T, L * P]`` (plus an embedding of the same width), viewed ``[T, L, P]``; layer ``i`` reads
 ``[:, i]``. After the hoist, the slices of the KV-sharing layers are read only in the reduced
-region, yet the product was computed for all ``T`` rows and all ``L`` layers; a hand-written split
-(vLLM's, transformers') does the same. This pass splits such a tensor into the slice the full
+region, yet the product was computed for all ``T`` rows and all ``L`` layers (so it is in the
+example's hand-written split, ``Gemma3nLike(hand_split=True)``). This pass splits such a tensor into the slice the full
 region reads and the slice the reduced region reads, and pushes each slice up its producer chain
 to the weights (rows of a projection, columns of an embedding table). Run again, the analysis then
 hoists the reduced slice's whole chain past the gather: the shared layers' columns cost ``R``

@@ -24,12 +24,13 @@ from typing import Iterator
 
 import torch._dynamo.config as dynamo_config
 
-_SETTINGS = {"specialize_float": True, "use_recursive_dict_tags_for_guards": True}
+# Each only where the installed torch has it; decided once, not on every step.
+_SETTINGS = {k: v for k, v in {"specialize_float": True, "use_recursive_dict_tags_for_guards": True}.items()
+             if hasattr(dynamo_config, k)}
 
 
 @contextlib.contextmanager
 def cheap_guards() -> Iterator[None]:
-    """Trace with the settings above (each only where the installed torch has it)."""
-    available = {k: v for k, v in _SETTINGS.items() if hasattr(dynamo_config, k)}
-    with dynamo_config.patch(**available):
+    """Trace with the settings above."""
+    with dynamo_config.patch(**_SETTINGS):
         yield

@@ -30,7 +30,6 @@ from typing import Any
 
 import sympy
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from .cut_graph import refresh_fake_values
@@ -223,7 +222,6 @@ class _Narrower:
 
     def __init__(self, gm: GraphModule, root: Node, requests: list[_Request]):
         self.graph = gm.graph
-        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
         self.pushes: dict[_Request, _Push | None] = {}
         stack = list(requests)
         while stack:
@@ -272,19 +270,10 @@ class _Narrower:
         self.built[request] = result
         return result
 
-    def refresh(self, node: Node) -> None:
-        """Recompute a new or rewired node's fake value."""
-        def value(a):
-            return a.meta["val"] if isinstance(a, Node) else a
-
-        with self.fake_mode:
-            node.meta["val"] = node.target(*torch.fx.node.map_aggregate(node.args, value),
-                                           **torch.fx.node.map_aggregate(node.kwargs, value))
-
     def _emit(self, after: Node, target, args: tuple, kwargs: dict) -> Node:
+        """A new node; its fake value is computed with its readers' once the split is done."""
         with self.graph.inserting_after(after):
             node = self.graph.call_function(target, args, kwargs)
-        self.refresh(node)
         self.created.append(node)
         return node
 
@@ -313,7 +302,7 @@ def _reread(user: Node, source: Node, read: tuple[int, int, int], offset: int) -
 def narrow_sliced_producers(gm: GraphModule, plan: HoistPlan) -> list[Narrowed]:
     """Split every boundary tensor the regions read in disjoint slices; returns what was split
     (run the analysis again when anything was)."""
-    split, rewired = [], []
+    split, changed = [], []
     for (tensor, layout) in list(plan.boundary):
         if sum(t is tensor for t, _ in plan.boundary) != 1 or tensor.op != "call_function":
             continue
@@ -333,10 +322,9 @@ def narrow_sliced_producers(gm: GraphModule, plan: HoistPlan) -> list[Narrowed]:
             if via is not tensor:  # an identity slice: slice the part instead
                 if via.args[0] is tensor:
                     via.args = (part, *via.args[1:])
-                    narrower.refresh(via)
                 part = via
             _reread(user, part, read, (reads.reduced if in_region else reads.full)[0])
-            rewired.append(user)
+        changed += narrower.created + list(per_user)
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         for node in sorted(narrower.kept, key=order.__getitem__, reverse=True):  # readers before producers
             if not node.users:
@@ -345,6 +333,7 @@ def narrow_sliced_producers(gm: GraphModule, plan: HoistPlan) -> list[Narrowed]:
     if split:
         gm.graph.lint()
         gm.recompile()
-        # A reader's value has its old shape but the part's strides: Inductor compiles to the strides.
-        refresh_fake_values(gm, rewired)
+        # The new nodes, and every reader downstream: a reader keeps its shape but takes the part's
+        # strides, and Inductor compiles to the strides.
+        refresh_fake_values(gm, changed)
     return split

@@ -2,9 +2,10 @@
 
 Variants: ``eager`` (no compile), ``inductor`` (``torch.compile`` default, no pass), ``ffp`` (the
 backend, Inductor regions), ``ffp_cudagraph`` (the backend with piecewise CUDA graphs, every step
-size captured before the first prefill), ``hand_split`` (the model split by hand at the KV-sharing
-boundary, ``torch.compile`` default: what a manual port gets). Each prefill is one Runner step of fresh prompts, one
-logits row each; medians of ``--runs`` timed runs after warm-up, CUDA events; the first call of a
+size captured before the first prefill), ``ffp_cudagraph_unnarrowed`` (the same with
+``narrow_slices=False``: what passes/narrow_sliced_producers.py is worth), ``hand_split`` (the
+model split by hand at the KV-sharing boundary, ``torch.compile`` default: what a manual port
+gets). Each prefill is one Runner step of fresh prompts, one logits row each; medians of ``--runs`` timed runs after warm-up, CUDA events; the first call of a
 variant is its compile time.
 
     PYTHONPATH=. python3 benchmarks/prefill.py --out benchmarks/results/2026-12-04-h200.json
@@ -35,7 +36,7 @@ MODELS = {
     "gemma4-e2b": Config(**{**PRESETS["e2b"].__dict__, "n_layers": 35, "num_kv_shared_layers": 20}),
     "tiny": Config(),
 }
-VARIANTS = ("eager", "inductor", "ffp", "ffp_cudagraph", "hand_split")
+VARIANTS = ("eager", "inductor", "ffp", "ffp_cudagraph", "hand_split")  # and ffp_cudagraph_unnarrowed, on request
 SHAPES = ((1, 2048), (1, 8192), (1, 32768), (8, 4096), (64, 512))
 
 
@@ -45,10 +46,11 @@ def make_runner(variant: str, cfg: Config, weights: dict, device, dtype, max_tok
         model = Gemma3nLike(cfg, hand_split=variant == "hand_split")
     model.load_state_dict(weights, assign=True)
     backend = {"eager": None, "inductor": "inductor", "hand_split": "inductor", "ffp": fx_fastprefill.backend(),
-               "ffp_cudagraph": fx_fastprefill.backend(cudagraphs=True)}[variant]
+               "ffp_cudagraph": fx_fastprefill.backend(cudagraphs=True),
+               "ffp_cudagraph_unnarrowed": fx_fastprefill.backend(cudagraphs=True, narrow_slices=False)}[variant]
     # The CUDA-graph variant captures exactly the step sizes the benchmark runs; every variant pads
     # its logits rows to the row counts the benchmark uses (one per sequence), the same for all.
-    pad = {"token_pad_sizes": step_sizes} if variant == "ffp_cudagraph" else {}
+    pad = {"token_pad_sizes": step_sizes} if variant.startswith("ffp_cudagraph") else {}
     return fx_fastprefill.Runner(model, backend=backend, max_num_tokens=max_tokens, max_model_len=16, device=device,
                                  dtype=dtype, max_num_seqs=1, logits_pad_sizes=logits_sizes, **pad)
 
@@ -112,7 +114,7 @@ def main() -> None:
             logits_sizes = sorted({max(2, b) for b, _ in shapes} | {max(2, b) for b in decode_batches})
             try:
                 runner = make_runner(variant, cfg, weights, device, dtype, max_tokens, step_sizes, logits_sizes)
-                capture_s = runner.capture(progress=False) if variant == "ffp_cudagraph" else None
+                capture_s = runner.capture(progress=False) if variant.startswith("ffp_cudagraph") else None
             except Exception:  # noqa: BLE001 - recorded; the other variants still run
                 records.append({**base, "error": traceback.format_exc(limit=8)})
                 print(json.dumps(records[-1]), flush=True)
@@ -131,7 +133,7 @@ def main() -> None:
                         torch.cuda.synchronize()
                         torch.cuda.reset_peak_memory_stats()
                     record["first_call_s"] = time.perf_counter() - start
-                    record["includes_compile"] = first and variant not in ("eager", "ffp_cudagraph")
+                    record["includes_compile"] = first and variant != "eager" and not variant.startswith("ffp_cudagraph")
                     first = False
                     times = repeat_ms(lambda: prefill_once(runner, tokens), args.runs, warmup=1, cuda=cuda)
                     record.update(median_ms=statistics.median(times), times_ms=times)

@@ -94,7 +94,7 @@ class FastPrefillBackend:
     """A torch.compile backend. Keeps one :class:`FastPrefillReport` per compiled graph in ``reports``."""
 
     def __init__(self, *, fast_prefill: bool = True, draft_layers: Iterable[str] = (), compiler: str = "inductor",
-                 prompt_len: int = 2048, cudagraphs: bool = False):
+                 prompt_len: int = 2048, cudagraphs: bool = False, narrow_slices: bool = True):
         if not isinstance(fast_prefill, bool):
             raise TypeError(f"fast_prefill must be a bool, got {fast_prefill!r}")
         if isinstance(draft_layers, str) or not all(isinstance(d, str) for d in draft_layers):
@@ -105,12 +105,15 @@ class FastPrefillBackend:
             raise ValueError(f"prompt_len must be a positive int (the prompt length of the FLOPs estimate), got {prompt_len!r}")
         if not isinstance(cudagraphs, bool):
             raise TypeError(f"cudagraphs must be a bool, got {cudagraphs!r}")
+        if not isinstance(narrow_slices, bool):
+            raise TypeError(f"narrow_slices must be a bool, got {narrow_slices!r}")
         if cudagraphs and compiler != "inductor":
             raise ValueError(f"cudagraphs=True needs compiler='inductor' (the regions are captured by Inductor), got {compiler!r}")
         if cudagraphs and not piecewise_cudagraphs_supported():
             raise RuntimeError(f"cudagraphs=True needs torch._C._construct_storage_from_data_pointer (non-owning "
                                f"views of graph outputs), absent in torch {torch.__version__}")
         self.cudagraphs = cudagraphs
+        self.narrow_slices = narrow_slices
         self.fast_prefill = fast_prefill
         self.draft_layers = list(draft_layers)
         self.compiler = compiler
@@ -171,7 +174,7 @@ class FastPrefillBackend:
             report.reason = str(e) if not report.reason else report.reason + "; " + str(e)
             return self._compile_unchanged(original, example_inputs, report, static, cudagraphs)
         report.flops_full = estimate_flops(gm, plan.rows, plan.reduced_rows, self.prompt_len)
-        narrowed = narrow_sliced_producers(gm, plan)
+        narrowed = narrow_sliced_producers(gm, plan) if self.narrow_slices else []
         if narrowed:
             plan = analyze(gm)  # the reduced slices' producers can now join the reduced region
         feeds_kv = kv_consumers(gm)
@@ -247,12 +250,15 @@ def backend(*, fast_prefill: bool = True, draft_layers: Iterable[str] = (), **op
     """A configured backend for ``torch.compile(model, backend=fx_fastprefill.backend(...))``.
 
     Options: ``compiler`` ("inductor" or "eager": run the cut regions without Inductor),
-    ``prompt_len`` (prompt length of the report's FLOPs estimate, default 2048) and ``cudagraphs``
-    (piecewise CUDA graphs: the code between attention ops captured per size, on CUDA).
+    ``prompt_len`` (prompt length of the report's FLOPs estimate, default 2048), ``cudagraphs``
+    (piecewise CUDA graphs: the code between attention ops captured per size, on CUDA) and
+    ``narrow_slices`` (default True; False skips passes/narrow_sliced_producers.py, to measure or
+    bisect it).
     """
-    unknown = set(options) - {"compiler", "prompt_len", "cudagraphs"}
+    known = ("compiler", "prompt_len", "cudagraphs", "narrow_slices")
+    unknown = set(options) - set(known)
     if unknown:
-        raise TypeError(f"fx_fastprefill.backend() got unknown options {sorted(unknown)}; known: compiler, prompt_len, cudagraphs")
+        raise TypeError(f"fx_fastprefill.backend() got unknown options {sorted(unknown)}; known: {', '.join(known)}")
     return FastPrefillBackend(fast_prefill=fast_prefill, draft_layers=draft_layers, **options)
 
 

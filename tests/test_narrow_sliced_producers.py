@@ -13,8 +13,8 @@ aten = torch.ops.aten
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
-def compiled_report(model, prompts):
-    backend = fx_fastprefill.backend(compiler="eager", prompt_len=64)
+def compiled_report(model, prompts, **options):
+    backend = fx_fastprefill.backend(compiler="eager", prompt_len=64, **options)
     fast = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=64, max_model_len=64)
     ref = fx_fastprefill.Runner(model, max_num_tokens=64, max_model_len=64)
     torch.testing.assert_close(fast.prefill(prompts), ref.prefill(prompts), **TOL)
@@ -55,6 +55,21 @@ def test_per_layer_inputs_split_at_the_sharing_boundary():
     assert sorted(products_of(report, "per_layer_from_hidden.weight")) == sorted(
         [(FULL, (0, first_reduced * p)), (REDUCED, (first_reduced * p, cfg.n_layers * p))])
     assert report.flops_removed_fraction > 0
+
+
+def test_narrow_slices_false_keeps_the_projection_whole():
+    """The option that turns the pass off (to measure or bisect it): still cut, still matching, and
+    the projection computes every layer's columns for every row in the full region."""
+    torch.manual_seed(0)
+    cfg = Config(n_layers=6, pattern=3, num_kv_shared_layers=2, sliding_window=4, per_layer_dim=8)
+    prompts = [torch.randint(1, cfg.vocab_size, (n,)).tolist() for n in (17, 9)]
+    on = compiled_report(Gemma3nLike(cfg), prompts)
+    off = compiled_report(Gemma3nLike(cfg), prompts, narrow_slices=False)
+    assert off.cut and off.reduced_layers == on.reduced_layers and off.narrowed == []
+    assert products_of(off, "per_layer_from_hidden.weight") == [(FULL, None)]
+    assert off.flops_removed_fraction < on.flops_removed_fraction
+    with pytest.raises(TypeError, match="narrow_slices must be a bool"):
+        fx_fastprefill.backend(narrow_slices="no")
 
 
 class OverlappingReads(Gemma3nLike):

@@ -5,8 +5,8 @@ backend, Inductor regions), ``ffp_cudagraph`` (the backend with piecewise CUDA g
 size captured before the first prefill), ``ffp_cudagraph_unnarrowed`` (the same with
 ``narrow_slices=False``: what passes/narrow_sliced_producers.py is worth), ``hand_split`` (the
 model split by hand at the KV-sharing boundary, ``torch.compile`` default: what a manual port
-gets). Each prefill is one Runner step of fresh prompts, one logits row each; medians of ``--runs`` timed runs after warm-up, CUDA events; the first call of a
-variant is its compile time.
+gets). Each prefill is one Runner step of fresh prompts, one logits row each; medians of
+``--runs`` timed runs after warm-up, CUDA events; the first call of a variant is its compile time.
 
     PYTHONPATH=. python3 benchmarks/prefill.py --out benchmarks/results/2026-12-04-h200.json
     python3 benchmarks/prefill.py --smoke --out /tmp/smoke.json     # CPU, tiny model: the script runs

@@ -87,7 +87,7 @@ def main() -> None:
     H, HKV, D = 8, 2, 256
     torch.manual_seed(0)
     checks, timings = {}, []
-    for seqs, seq_len in ((1, 8192), (8, 4096), (1, 32768)):
+    for seqs, seq_len in ((1, 8192), (8, 4096), (1, 32768), (64, 512)):
         T = seqs * seq_len
         q = torch.randn(T, H, D, device=dev, dtype=dt)
         k = torch.randn(T, HKV, D, device=dev, dtype=dt)

@@ -2,15 +2,11 @@
 
 Variants: ``eager`` (no compile), ``inductor`` (``torch.compile`` default, no pass), ``ffp`` (the
 backend, Inductor regions), ``ffp_cudagraph`` (the backend with piecewise CUDA graphs, every step
-size captured before the first prefill), ``hand_split`` (the model split by hand at the KV-sharing
-boundary, ``torch.compile`` default: what a manual port gets). Each prefill is one Runner step of
-fresh prompts, one logits row each; medians of ``--runs`` timed runs after warm-up, CUDA events;
-the first call of a variant is its compile time.
-
-Two A/B variants, on request: ``ffp_cudagraph_unnarrowed`` (``narrow_slices=False``: what
-passes/narrow_sliced_producers.py is worth) and ``ffp_cudagraph_all_split_kv`` (every call of at
-most 4 queries per request on the split-KV kernel, short keys too: what the kernel choice in
-varlen_attention.py is worth).
+size captured before the first prefill), ``ffp_cudagraph_unnarrowed`` (the same with
+``narrow_slices=False``: what passes/narrow_sliced_producers.py is worth), ``hand_split`` (the
+model split by hand at the KV-sharing boundary, ``torch.compile`` default: what a manual port
+gets). Each prefill is one Runner step of fresh prompts, one logits row each; medians of
+``--runs`` timed runs after warm-up, CUDA events; the first call of a variant is its compile time.
 
     PYTHONPATH=. python3 benchmarks/prefill.py --out benchmarks/results/2026-12-04-h200.json
     python3 benchmarks/prefill.py --smoke --out /tmp/smoke.json     # CPU, tiny model: the script runs
@@ -31,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fx_fastprefill  # noqa: E402
-from fx_fastprefill import SeqChunk, varlen_attention  # noqa: E402
+from fx_fastprefill import SeqChunk  # noqa: E402
 from benchmarks.timing import repeat_ms  # noqa: E402
 from examples.gemma3n import PRESETS, Config, Gemma3nLike  # noqa: E402
 
@@ -40,8 +36,7 @@ MODELS = {
     "gemma4-e2b": Config(**{**PRESETS["e2b"].__dict__, "n_layers": 35, "num_kv_shared_layers": 20}),
     "tiny": Config(),
 }
-VARIANTS = ("eager", "inductor", "ffp", "ffp_cudagraph", "hand_split")  # and the two A/B variants below, on request
-SPLIT_KV_MIN_KEYS = varlen_attention.SPLIT_KV_MIN_KEYS
+VARIANTS = ("eager", "inductor", "ffp", "ffp_cudagraph", "hand_split")  # and ffp_cudagraph_unnarrowed, on request
 SHAPES = ((1, 2048), (1, 8192), (1, 32768), (8, 4096), (64, 512))
 
 
@@ -52,8 +47,7 @@ def make_runner(variant: str, cfg: Config, weights: dict, device, dtype, max_tok
     model.load_state_dict(weights, assign=True)
     backend = {"eager": None, "inductor": "inductor", "hand_split": "inductor", "ffp": fx_fastprefill.backend(),
                "ffp_cudagraph": fx_fastprefill.backend(cudagraphs=True),
-               "ffp_cudagraph_unnarrowed": fx_fastprefill.backend(cudagraphs=True, narrow_slices=False),
-               "ffp_cudagraph_all_split_kv": fx_fastprefill.backend(cudagraphs=True)}[variant]
+               "ffp_cudagraph_unnarrowed": fx_fastprefill.backend(cudagraphs=True, narrow_slices=False)}[variant]
     # The CUDA-graph variant captures exactly the step sizes the benchmark runs; every variant pads
     # its logits rows to the row counts the benchmark uses (one per sequence), the same for all.
     pad = {"token_pad_sizes": step_sizes} if variant.startswith("ffp_cudagraph") else {}
@@ -114,8 +108,6 @@ def main() -> None:
         max_tokens = max(b * s for b, s in shapes)
         for variant in args.variants.split(","):
             variant_start = time.perf_counter()
-            # Read per attention call (attention runs outside the CUDA graphs), so it can change per variant.
-            varlen_attention.SPLIT_KV_MIN_KEYS = 0 if variant == "ffp_cudagraph_all_split_kv" else SPLIT_KV_MIN_KEYS
             base = {"model": model_name, "variant": variant, "ideal_speedup": ideal, "device": str(device),
                     "torch": torch.__version__, "dtype": str(dtype).replace("torch.", "")}
             step_sizes = sorted({max(2, b * s) for b, s in shapes} | {max(2, b) for b in decode_batches})

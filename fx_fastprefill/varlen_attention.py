@@ -21,14 +21,8 @@ from torch import Tensor
 
 from .step_context import StepMetadata, to_device
 
-# Requests with at most this many queries go to the split-KV kernel (split_kv_attention.py) ...
+# Requests with at most this many queries go to the split-KV kernel (split_kv_attention.py).
 SPLIT_KV_MAX_QUERIES = 4
-# ... when their keys come from the cache (FlashAttention would need them gathered), or when a
-# request's query sees at least this many keys (its window caps them). Under that, FlashAttention's
-# query-subset form, one launch, was faster on the H200 (benchmarks/probe_cuda.py: 0.06-0.12 ms
-# against 0.13-0.20 ms at 512 keys; split-KV ahead from 4096 keys, 0.13 against 0.16 ms, and 0.09
-# against 1.09 ms at 32768). 2048 lies between the measured points.
-SPLIT_KV_MIN_KEYS = 2048
 
 Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, float, int | None], Tensor]
 
@@ -55,7 +49,7 @@ class VarlenPacking:
 
 
 def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cache: bool = False,
-            split_kv_available: bool = False, sliding_window: int | None = None) -> VarlenPacking | None:
+            split_kv_available: bool = False) -> VarlenPacking | None:
     """The packing of one attention call; None when the call's query rows are not known on the host."""
     n = step.num_seqs
     new = [step.query_start[i + 1] - step.query_start[i] for i in range(n)]
@@ -68,11 +62,10 @@ def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cac
     else:
         return None
     cached = keys_from_cache or any(c > 0 for c in step.context_lens)
-    per_seq_k = [c + m for c, m in zip(step.context_lens, new)]
-    split_kv = (split_kv_available and max(per_seq_q, default=0) <= SPLIT_KV_MAX_QUERIES
-                and (cached or _keys_seen(per_seq_k, sliding_window) >= SPLIT_KV_MIN_KEYS))
+    split_kv = split_kv_available and max(per_seq_q, default=0) <= SPLIT_KV_MAX_QUERIES
     key = ("varlen", tuple(per_seq_q), cached, split_kv, str(device))
     if key not in step._tensors:
+        per_seq_k = [c + m for c, m in zip(step.context_lens, new)]
         pack = VarlenPacking(max(per_seq_q, default=0), max(per_seq_k, default=0), sum(per_seq_q), cached, split_kv)
         if split_kv:
             starts, lengths, positions = [], [], []
@@ -92,12 +85,6 @@ def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cac
                                            device)
         step._tensors[key] = pack
     return step._tensors[key]
-
-
-def _keys_seen(per_seq_k: list[int], sliding_window: int | None) -> int:
-    """The most keys one query attends to (its request's keys, capped by the window)."""
-    longest = max(per_seq_k, default=0)
-    return longest if sliding_window is None else min(longest, sliding_window)
 
 
 def _request_of(step: StepMetadata, row: int) -> int:
@@ -121,11 +108,9 @@ def varlen_attention(q: Tensor, k: Tensor | None, v: Tensor | None, keys_cache: 
     """``q [Tq, H, D]`` against this step's ``k, v`` or the cache; None when the packing is unknown.
 
     ``split_kv_kernel`` (when given) takes calls whose requests have at most
-    ``SPLIT_KV_MAX_QUERIES`` queries each (the logits rows of a prefill, and decode) and whose keys
-    are read from the cache or are long (``SPLIT_KV_MIN_KEYS``)."""
+    ``SPLIT_KV_MAX_QUERIES`` queries each: the logits rows of a prefill, and decode."""
     # A sharing layer called without its source's rows (eager, or a hand-split model) reads the cache.
-    pack = packing(step, query_rows, q.device, keys_from_cache=k is None, split_kv_available=split_kv_kernel is not None,
-                   sliding_window=sliding_window)
+    pack = packing(step, query_rows, q.device, keys_from_cache=k is None, split_kv_available=split_kv_kernel is not None)
     if pack is None:
         return None
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import fx_fastprefill
-from fx_fastprefill import SeqChunk, attention_op, varlen_attention
+from fx_fastprefill import SeqChunk, attention_op
 from fx_fastprefill.split_kv_attention import split_kv_attention
-from fx_fastprefill.step_context import StepMetadata
-from fx_fastprefill.varlen_attention import SPLIT_KV_MIN_KEYS, emulated_varlen_kernel, packing
+from fx_fastprefill.varlen_attention import emulated_varlen_kernel
 from examples.gemma3n import Config, Gemma3nLike
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +37,8 @@ def model():
 
 def compare(compiled: bool, split_kv: bool, patch) -> int:
     """Runs STEPS through the varlen path (FlashAttention emulated; the split-KV kernel real, on
-    the CPU under TRITON_INTERPRET=1, when ``split_kv``, for every call of few queries: these keys
-    are short) and checks them against the reference. Returns how many calls went to each kernel."""
+    the CPU under TRITON_INTERPRET=1, when ``split_kv``) and checks them against the reference.
+    Returns how many attention calls went to each kernel."""
     m = model()
     expected = run(m, None, STEPS)
     calls = {"flash": 0, "split_kv": 0}
@@ -57,7 +56,6 @@ def compare(compiled: bool, split_kv: bool, patch) -> int:
     patch(attention_op, "HAS_TRITON", split_kv)
     if split_kv:
         patch(attention_op, "split_kv_attention", split)
-        patch(varlen_attention, "SPLIT_KV_MIN_KEYS", 0)
     backend = fx_fastprefill.backend(compiler="eager") if compiled else None
     got = run(m, backend, STEPS)
     for g, e in zip(got, expected):
@@ -79,37 +77,6 @@ def test_split_kv_kernel_in_the_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def fresh_step(prompt_lens: list[int], context_lens: list[int] | None = None) -> tuple[StepMetadata, torch.Tensor]:
-    """A step of one logits row per request (its last), and those rows as the call's query rows."""
-    starts = [0]
-    for n in prompt_lens:
-        starts.append(starts[-1] + n)
-    context = context_lens or [0] * len(prompt_lens)
-    step = StepMetadata(query_start=starts, context_lens=context, slot_base=[i * 40000 for i in range(len(prompt_lens))],
-                        kv_cache=None, num_logits=len(prompt_lens), has_prefill=True, logits_rows=[s - 1 for s in starts[1:]])
-    return step, torch.tensor(step.logits_rows)
-
-
-def test_split_kv_takes_few_queries_against_long_or_cached_keys():
-    """Kernel choice of the query-subset form: split-KV where FlashAttention was slower on the H200
-    (long key ranges, and cached keys it would have to gather), FlashAttention otherwise."""
-    def kernel(prompt_lens, window=None, context=None, available=True):
-        step, rows = fresh_step(prompt_lens, context)
-        pack = packing(step, rows, "cpu", split_kv_available=available, sliding_window=window)
-        return "split_kv" if pack.split_kv else "flash"
-
-    long, short = SPLIT_KV_MIN_KEYS + 1000, SPLIT_KV_MIN_KEYS // 4
-    assert kernel([long]) == "split_kv"
-    assert kernel([short, long]) == "split_kv"         # the longest request decides
-    assert kernel([long], window=512) == "flash"       # the window caps the keys a query sees
-    assert kernel([long], window=SPLIT_KV_MIN_KEYS) == "split_kv"
-    assert kernel([short] * 64) == "flash"
-    assert kernel([3], window=512, context=[7]) == "split_kv"  # a cached prefix: keys read in place
-    assert kernel([long], available=False) == "flash"
-    step, _ = fresh_step([short, short])
-    assert not packing(step, None, "cpu", split_kv_available=True).split_kv  # every row: many queries
 
 
 def split_kv_against_float64(seed: int = 0, device: str = "cpu") -> float:

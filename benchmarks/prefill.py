@@ -2,11 +2,13 @@
 
 Variants: ``eager`` (no compile), ``inductor`` (``torch.compile`` default, no pass), ``ffp`` (the
 backend, Inductor regions), ``ffp_cudagraph`` (the backend with piecewise CUDA graphs, every step
-size captured before the first prefill), ``ffp_cudagraph_unnarrowed`` (the same with
-``narrow_slices=False``: what passes/narrow_sliced_producers.py is worth), ``hand_split`` (the
-model split by hand at the KV-sharing boundary, ``torch.compile`` default: what a manual port
-gets). Each prefill is one Runner step of fresh prompts, one logits row each; medians of
-``--runs`` timed runs after warm-up, CUDA events; the first call of a variant is its compile time.
+size captured before the first prefill), ``hand_split`` (the model split by hand at the KV-sharing
+boundary, ``torch.compile`` default: what a manual port gets). Each prefill is one Runner step of
+fresh prompts, one logits row each; medians of ``--runs`` timed runs after warm-up, CUDA events;
+the first call of a variant is its compile time.
+
+An A/B variant, on request: ``ffp_cudagraph_unnarrowed`` (``narrow_slices=False``: what
+passes/narrow_sliced_producers.py is worth).
 
     PYTHONPATH=. python3 benchmarks/prefill.py --out benchmarks/results/2026-12-04-h200.json
     python3 benchmarks/prefill.py --smoke --out /tmp/smoke.json     # CPU, tiny model: the script runs
@@ -36,7 +38,7 @@ MODELS = {
     "gemma4-e2b": Config(**{**PRESETS["e2b"].__dict__, "n_layers": 35, "num_kv_shared_layers": 20}),
     "tiny": Config(),
 }
-VARIANTS = ("eager", "inductor", "ffp", "ffp_cudagraph", "hand_split")  # and ffp_cudagraph_unnarrowed, on request
+VARIANTS = ("eager", "inductor", "ffp", "ffp_cudagraph", "hand_split")  # and the A/B variant above, on request
 SHAPES = ((1, 2048), (1, 8192), (1, 32768), (8, 4096), (64, 512))
 
 

@@ -86,10 +86,10 @@ def main() -> None:
         weights = Gemma3nLike(cfg).to(dtype).state_dict()
     step_sizes = sorted({b * s for b, s in shapes} | {max(2, args.decode_batch)})
     logits_sizes = sorted({max(2, b) for b, _ in shapes} | {max(2, args.decode_batch)})
-    records = []
+    records, traces = [], Path(args.traces or tempfile.mkdtemp())
     for variant in args.variants.split(","):
         runner = make_runner(variant, cfg, weights, device, dtype, max(step_sizes), step_sizes, logits_sizes)
-        if variant == "ffp_cudagraph":
+        if variant.startswith("ffp_cudagraph"):  # as prefill.py: every CUDA-graph variant records up front
             runner.capture(progress=False)
         cases = [(f"prefill {b}x{s}", lambda t=prompts(b, s, cfg.vocab_size): prefill_once(runner, t), b, s + 1)
                  for b, s in shapes]
@@ -101,7 +101,7 @@ def main() -> None:
             for _ in range(3):
                 fn()
             host_ms, total_ms = host_and_total_ms(fn, args.runs)
-            trace = Path(args.traces or tempfile.mkdtemp()) / f"{args.model}-{variant}-{name.replace(' ', '-')}.json"
+            trace = traces / f"{args.model}-{variant}-{name.replace(' ', '-')}.json"
             busy_ms, span_ms, table = profiled(fn, trace)
             record = {"model": args.model, "variant": variant, "case": name, "host_ms": host_ms,
                       "total_ms": total_ms, "device_busy_ms": busy_ms, "device_span_ms": span_ms,

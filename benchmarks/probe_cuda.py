@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import repeat_ms  # noqa: E402
-from fx_fastprefill.split_kv_attention import HAS_TRITON, split_kv_attention  # noqa: E402
+from fx_fastprefill.ops.kernels.split_kv import HAS_TRITON, split_kv_attention  # noqa: E402
 
 
 def timed_ms(fn) -> float:

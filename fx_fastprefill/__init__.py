@@ -2,39 +2,39 @@
 
 from __future__ import annotations
 
-import os as _os
-
-# In a source checkout the passes live in the top-level ``passes/`` folder; an installed package
-# has them as ``fx_fastprefill/passes`` (pyproject's package-dir). Load the checkout's folder under
-# that name, so ``PYTHONPATH=.`` works without installing (and nothing else of the checkout
-# becomes part of the package).
+import importlib.util
+import sys
+from pathlib import Path
 
 
-def _load_checkout_passes() -> None:
-    import importlib.util
-    import sys
-    here = _os.path.dirname(__file__)
-    init = _os.path.join(_os.path.dirname(here), "passes", "__init__.py")
-    if "fx_fastprefill.passes" in sys.modules or _os.path.isdir(_os.path.join(here, "passes")) or not _os.path.isfile(init):
+def _import_checkout_passes() -> None:
+    """The passes live in the source tree's top-level ``passes/``; installed, they are
+    ``fx_fastprefill/passes`` (pyproject's package-dir). From a checkout on ``PYTHONPATH`` (no
+    install) the top-level folder is imported under that name; neither there is an error."""
+    here = Path(__file__).parent
+    if (here / "passes").is_dir() or "fx_fastprefill.passes" in sys.modules:
         return
-    spec = importlib.util.spec_from_file_location("fx_fastprefill.passes", init, submodule_search_locations=[_os.path.dirname(init)])
+    init = here.parent / "passes" / "__init__.py"
+    if not init.is_file():
+        raise ImportError(f"fx_fastprefill.passes not found: neither {here / 'passes'} (installed) nor {init} (checkout)")
+    spec = importlib.util.spec_from_file_location("fx_fastprefill.passes", init, submodule_search_locations=[str(init.parent)])
     module = importlib.util.module_from_spec(spec)
     sys.modules["fx_fastprefill.passes"] = module
     spec.loader.exec_module(module)
 
 
-_load_checkout_passes()
+_import_checkout_passes()
 
-from .logs import configure_logging as _configure_logging  # noqa: E402
+from .compilation.logs import configure_logging as _configure_logging  # noqa: E402
 
 _configure_logging()
 
-from .attention_op import attention  # noqa: E402
-from . import sdpa_op as _sdpa_op  # noqa: E402,F401  (registers fx_fastprefill::sdpa)
-from .batch import SeqChunk  # noqa: E402
-from .kv_cache import KVCache  # noqa: E402
-from .runner import Runner  # noqa: E402
-from .step_context import StepMetadata, current_step, step_context  # noqa: E402
+from .ops import sdpa as _sdpa  # noqa: E402,F401  (the sdpa op's kernels)
+from .ops.attention import attention  # noqa: E402
+from .runtime.batch import SeqChunk  # noqa: E402
+from .runtime.kv_cache import KVCache  # noqa: E402
+from .runtime.runner import Runner  # noqa: E402
+from .runtime.step_context import StepMetadata, current_step, step_context  # noqa: E402
 
 __all__ = [
     "attention", "backend", "Runner", "SeqChunk", "KVCache", "StepMetadata", "step_context", "current_step",
@@ -43,11 +43,11 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # backend and report import the passes and Inductor: load them on first use.
+    # The backend imports Inductor: loaded on first use, not with the package.
     if name == "backend":
-        from .compile_backend import backend
+        from .compilation.backend import backend
         return backend
     if name == "FastPrefillReport":
-        from .report import FastPrefillReport
+        from .report.report import FastPrefillReport
         return FastPrefillReport
     raise AttributeError(f"module 'fx_fastprefill' has no attribute {name!r}")

@@ -1,5 +1,8 @@
-"""FX passes of fx_fastprefill, on the post-AOT (functional, inference) aten graph.
+"""FX passes of fx_fastprefill, one per file, on the post-AOT (functional, inference) aten graph.
 
-Order: find attention nodes -> link KV sources (explicit K/V edges) -> eligible layers (report) ->
-gather hoisting (analysis) -> cut (rewrite) -> split into regions.
+Run in this order by ``fx_fastprefill/compilation/pipeline.py`` (``capture_sdpa`` runs earlier, on
+Dynamo's graph): link_kv_sources -> eligible_layers -> (copy) -> gather_hoisting.analyze ->
+narrow_sliced_producers (then analyze again) -> cut_graph -> split_regions. The compile of the
+regions uses split_pieces (CUDA graphs). hoist_rules, token_layout, attention_nodes, flops and
+fx_utils are their shared parts.
 """

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from fx_fastprefill.attention_op import ATTENTION_OP, KV_SOURCE, LAYER, SLIDING_WINDOW
-from fx_fastprefill.sdpa_op import SDPA_K, SDPA_LAYER, SDPA_MASK, SDPA_OP, SDPA_V
+from fx_fastprefill.ops.schema import (ATTENTION_OP, KV_SOURCE, LAYER, SDPA_K, SDPA_LAYER, SDPA_MASK, SDPA_OP, SDPA_V,
+                                       SLIDING_WINDOW)
+
+from .fx_utils import is_whole_slice
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -48,16 +50,10 @@ class AttentionNode:
 def kv_root(node: Node) -> Node:
     """The tensor a K/V argument presents, past views, expands and copies."""
     while node.op == "call_function" and node.target in SAME_VALUES:
-        if node.target is aten.slice.Tensor and not _whole_slice(node):
+        if node.target is aten.slice.Tensor and not is_whole_slice(node):
             break
         node = node.args[0]
     return node
-
-
-def _whole_slice(node: Node) -> bool:
-    args = list(node.args) + [None] * (5 - len(node.args))
-    start, end, step = args[2], args[3], args[4]
-    return start in (None, 0) and step in (None, 1) and (end is None or (isinstance(end, int) and end >= 2**62))
 
 
 def find_attention_nodes(graph: Graph) -> list[AttentionNode]:

@@ -14,25 +14,17 @@ Invariants:
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from fx_fastprefill.sdpa_op import SDPA_OP
+from fx_fastprefill.ops.schema import SDPA_OP
+
+from .fx_utils import module_path
 
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-
-
-def module_name(stack_key: str) -> str:
-    """``L['self'].model.layers[7].self_attn`` -> ``model.layers.7.self_attn``."""
-    name = re.sub(r"^L\['[^']*'\]\.?", "", stack_key)
-    name = re.sub(r"\._modules\['([^']+)'\]", r".\1", name)
-    name = re.sub(r"\[(\d+)\]", r".\1", name)
-    return name.strip(".")
 
 
 def _layer_name(node: Node, index: int) -> str:
@@ -40,7 +32,7 @@ def _layer_name(node: Node, index: int) -> str:
     if not stack:
         return f"sdpa_{index}"
     key, _ = list(stack.values())[-1]
-    return module_name(key) or f"sdpa_{index}"
+    return module_path(key) or f"sdpa_{index}"
 
 
 def capture_sdpa(gm: GraphModule) -> list[str]:

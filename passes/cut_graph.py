@@ -2,7 +2,7 @@
 
 Invariants:
 - One gather per (boundary tensor, layout), placed just before its first reader: an
-  ``index_select`` by the ``logits_indices`` graph input, or for a suffix selection a slice of the
+  ``aten.index`` by the ``logits_indices`` graph input, or for a suffix selection a slice of the
   last ``k`` rows; each one (and the sizes it needs) is tagged ``meta["ffp_role"] = "boundary_gather"``.
 - Region nodes keep their identity and ops; only their inputs, token-dim sizes (-1, inferred) and,
   for attention, ``query_rows`` (the query-subset form) change.
@@ -19,8 +19,9 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from fx_fastprefill.attention_op import QUERY_ROWS
+from fx_fastprefill.ops.schema import QUERY_ROWS
 
+from .fx_utils import downstream, placeholders, size_sources
 from .gather_hoisting import HoistPlan
 from .hoist_rules import REDUCED_SIZE
 from .token_layout import Layout, shape_exprs
@@ -66,17 +67,8 @@ class _SizeNodes:
 
     def __init__(self, gm: GraphModule):
         self.gm = gm
-        self.sources: dict[sympy.Symbol, tuple[Node, int | None]] = {}
-        for node in gm.graph.nodes:
-            if node.op != "placeholder":
-                continue
-            val = node.meta.get("val")
-            if isinstance(val, torch.SymInt) and isinstance(val.node.expr, sympy.Symbol):
-                self.sources.setdefault(val.node.expr, (node, None))
-            elif isinstance(val, torch.Tensor):
-                for d, size in enumerate(val.shape):
-                    if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                        self.sources.setdefault(size.node.expr, (node, d))
+        inputs = placeholders(gm)
+        self.sources = {symbol: (inputs[i], dim) for symbol, (i, dim) in size_sources(inputs).items()}
 
     def __call__(self, expr: sympy.Expr, before: Node, role: str):
         expr = sympy.expand(expr)
@@ -169,7 +161,9 @@ def _insert_gather(gm: GraphModule, plan: HoistPlan, source: Node, layout: Layou
         source_view = source
     with graph.inserting_before(before):
         if plan.suffix is None:
-            picked = graph.call_function(aten.index_select.default, (source_view, axis, plan.index))
+            # aten.index, not index_select: the post-decomposition form, which Inductor lowers
+            # (index_select is decomposed into it before the cut ever sees the graph).
+            picked = graph.call_function(aten.index.Tensor, (source_view, [None] * axis + [plan.index]))
         else:
             picked = graph.call_function(aten.slice.Tensor, (source_view, axis, -plan.suffix, 2**63 - 1))
         gathered = picked
@@ -217,21 +211,9 @@ def cut_graph(gm: GraphModule, plan: HoistPlan) -> list[Node]:
     return gathers
 
 
-def downstream(nodes: list[Node]) -> set[Node]:
-    seen, stack = set(), list(nodes)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(u for u in node.users if u.op != "output")
-    return seen
-
-
 def refresh_fake_values(gm: GraphModule, changed: list[Node]) -> None:
     """Recompute ``meta["val"]`` of every node downstream of ``changed``, in graph order."""
-    placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode(placeholders)
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders(gm)])
     dirty = downstream(changed)
 
     def value(arg):

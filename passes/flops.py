@@ -14,8 +14,7 @@ import sympy
 import torch
 from torch.fx import GraphModule
 
-from fx_fastprefill.attention_op import ATTENTION_OP, Q, QUERY_ROWS, SLIDING_WINDOW
-from fx_fastprefill.sdpa_op import SDPA_OP, SDPA_Q, SDPA_QUERY_SUFFIX
+from fx_fastprefill.ops.schema import ATTENTION_OP, Q, QUERY_ROWS, SDPA_OP, SDPA_Q, SDPA_QUERY_SUFFIX, SLIDING_WINDOW
 
 from .token_layout import shape_exprs
 

@@ -29,9 +29,9 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
-from fx_fastprefill.attention_op import ATTENTION_OP
-from fx_fastprefill.sdpa_op import SDPA_OP
+from fx_fastprefill.ops.schema import ATTENTION_OP, SDPA_OP
 
+from .fx_utils import downstream, is_open_end, slice_args
 from .hoist_rules import RuleResult, lookup_rule
 from .token_layout import Layout, shape_exprs
 
@@ -139,11 +139,10 @@ def _suffix_slice(node: Node) -> tuple[Layout, sympy.Symbol, int] | None:
     shape = shape_exprs(src.meta.get("val"))
     if not shape:
         return None
-    args = list(node.args) + [None] * (5 - len(node.args))
-    dim = args[1] + len(shape) if args[1] < 0 else args[1]
-    start, end, step = args[2], args[3], args[4]
+    dim, start, end, step = slice_args(node)
+    dim = dim + len(shape) if dim < 0 else dim
     rows = _single_symbol(shape[dim])
-    if rows is None or step not in (None, 1) or not (end is None or (isinstance(end, int) and end >= 2**62)):
+    if rows is None or step not in (None, 1) or not is_open_end(end):
         return None
     # Only a constant k: Dynamo's guards then keep k <= rows. A symbolic k may be 0 at run time,
     # and x[:, -0:] is every row.
@@ -163,21 +162,13 @@ def find_suffix_seed(gm: GraphModule) -> tuple[Node, Layout, sympy.Symbol, int] 
 
 
 def _output_nodes(gm: GraphModule) -> set[Node]:
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    return set(out.all_input_nodes)
+    return set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
 
 
 def _check_outputs(gm: GraphModule, seeds: set[Node], reduced: sympy.Symbol, outputs: set[Node]) -> None:
     """Every graph output computed from the gathered rows must hold them on one plain dim, so that
     the full-rows path can select them at the end."""
-    seen, stack = set(), list(seeds)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(u for u in node.users if u.op != "output")
-    for node in seen & outputs:
+    for node in downstream(seeds) & outputs:
         shape = shape_exprs(node.meta.get("val"))
         plain = [s for s in shape or [] if reduced in s.free_symbols]
         if len(plain) != 1 or plain[0] != reduced:

@@ -23,9 +23,10 @@ import sympy
 import torch
 from torch.fx import Node
 
-from fx_fastprefill.attention_op import ATTENTION_OP, K, KV_WRITTEN, Q, QUERY_ROWS, V
-from fx_fastprefill.sdpa_op import SDPA_IS_CAUSAL, SDPA_K, SDPA_MASK, SDPA_OP, SDPA_Q, SDPA_QUERY_SUFFIX, SDPA_V
+from fx_fastprefill.ops.schema import (ATTENTION_OP, K, KV_WRITTEN, Q, QUERY_ROWS, SDPA_IS_CAUSAL, SDPA_K, SDPA_MASK, SDPA_OP,
+                                       SDPA_Q, SDPA_QUERY_SUFFIX, SDPA_V, V)
 
+from .fx_utils import reaches_end
 from .token_layout import Layout, depends_on, map_view_layout, shape_exprs
 
 aten = torch.ops.aten
@@ -289,19 +290,11 @@ def _slice(node, layout, rows):
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
     if dim == layout.axis:
-        if not (start in (None, 0) and step == 1 and _reaches_end(end, shape[dim])):
+        if not (start in (None, 0) and step == 1 and reaches_end(end, shape[dim])):
             return "a slice of the token dim"
     elif any(depends_on(a, rows) for a in (start, end)):
         return "slice bounds depend on the token count"
     return RuleResult([Requirement(("args", 0), src, layout)])
-
-
-def _reaches_end(end, size: sympy.Expr) -> bool:
-    if end is None or (isinstance(end, int) and end >= 2**62):
-        return True
-    value = end.meta.get("val") if isinstance(end, Node) else end
-    expr = value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value) if isinstance(value, int) else None
-    return expr is not None and sympy.simplify(expr - size) == 0
 
 
 @rule(aten.slice_scatter.default)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from fx_fastprefill.attention_op import ATTENTION_OP, K, KV_WRITTEN, V, WRITE_KV_OP
+from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_WRITTEN, V, WRITE_KV_OP
 
 from .attention_nodes import AttentionNode, find_attention_nodes
 

@@ -33,6 +33,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .cut_graph import refresh_fake_values
+from .fx_utils import is_open_end, is_whole_slice, slice_args
 from .gather_hoisting import HoistPlan
 from .token_layout import shape_exprs
 
@@ -42,7 +43,6 @@ prims = torch.ops.prims
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default)
 _UNARY = (aten._to_copy.default, aten.alias.default)
-_END = 2**62
 
 
 @dataclass
@@ -70,11 +70,11 @@ def _read_range(user: Node, tensor: Node, shape: list[sympy.Expr]) -> tuple[int,
         index = index + size if index < 0 else index
         return dim, index, index + 1
     if user.target is aten.slice.Tensor:
-        _, dim, start, end, step = (list(user.args) + [0, None, None, 1][len(user.args) - 1:])[:5]
+        dim, start, end, step = slice_args(user)
         dim = dim % len(shape)
         size = _int_size(shape[dim])
         start = 0 if start is None else start
-        end = size if end is None or (isinstance(end, int) and end >= _END) else end
+        end = size if is_open_end(end) else end
         if size is not None and isinstance(start, int) and isinstance(end, int) and step in (None, 1) and 0 <= start < end <= size:
             return dim, start, end
     return None
@@ -82,10 +82,7 @@ def _read_range(user: Node, tensor: Node, shape: list[sympy.Expr]) -> tuple[int,
 
 def _is_identity_slice(node: Node) -> bool:
     """``x[:, :]``-style slices (``per_layer[:, i]`` traces as one, then a select): every index."""
-    if node.op != "call_function" or node.target is not aten.slice.Tensor:
-        return False
-    start, end, step = (list(node.args[2:]) + [None, None, 1][len(node.args) - 2:])[:3]
-    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= _END)) and step in (None, 1)
+    return node.op == "call_function" and node.target is aten.slice.Tensor and is_whole_slice(node)
 
 
 def _readers(tensor: Node) -> list[tuple[Node, Node]]:

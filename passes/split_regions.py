@@ -1,39 +1,35 @@
-"""Split a cut graph into stages: the full region, the boundary gathers, the reduced region.
+"""Split a cut graph into its two regions with ``split_module``: the full region, then the reduced
+region (the boundary gathers first, then everything computed on the logits rows).
 
 Invariants:
-- Every call node belongs to exactly one stage; stages run in the order full, gathers, reduced,
-  and a stage reads only graph inputs and values of earlier stages (the cut guarantees that no
-  full-region node reads a reduced value).
-- Each compiled stage is a standalone GraphModule whose placeholders carry the fake values of the
-  nodes they stand for, so it can be handed to Inductor on its own.
+- Every call node belongs to exactly one region; the full region reads only graph inputs (the cut
+  guarantees that no full-row node reads a reduced value), so it runs first.
+- Each region is a submodule of the returned GraphModule (``full``, ``reduced``) whose
+  placeholders carry the fake values of the nodes they stand for, so it can be compiled on its own;
+  the top-level graph only calls the two and unpacks their outputs.
 - A full-region node whose every reader is in the reduced region (a weight's transpose, a
   constant's cast) moves there: the reduced region then reads the parameters themselves, which
   stay at fixed addresses (what its CUDA graphs need), and Inductor can fold the view into its
   reader. Package ops (the cache writes) never move: they run even when the reduced region does not.
+- ``assign_regions`` still names the gathers ``boundary``: the printed graph shows them apart.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from torch.fx import GraphModule, Node
+from torch.fx.passes.split_module import split_module
 
-from torch.fx import Graph, GraphModule, Node
+from fx_fastprefill.ops.schema import is_package_op
 
-from .cut_graph import BOUNDARY_GATHER, REDUCED_SIZE_NODE, downstream
-from .split_at_attention import boundary, is_package_op
+from .cut_graph import BOUNDARY_GATHER, REDUCED_SIZE_NODE
+from .fx_utils import downstream
 
 FULL, BOUNDARY, REDUCED = "full", "boundary", "reduced"
-
-
-@dataclass
-class Stage:
-    name: str
-    nodes: list[Node]
-    inputs: list[Node]
-    outputs: list[Node]
-    module: GraphModule | None = None  # None for the boundary stage (run node by node)
+_PARTITION = {FULL: 0, BOUNDARY: 1, REDUCED: 1}
 
 
 def assign_regions(gm: GraphModule) -> dict[Node, str]:
+    """The region of every call node: full, boundary (the gathers) or reduced."""
     gathers = [n for n in gm.graph.nodes if n.meta.get("ffp_role") == BOUNDARY_GATHER]
     reduced = downstream(gathers + [n for n in gm.graph.nodes if n.meta.get("ffp_role") == REDUCED_SIZE_NODE])
     regions = {}
@@ -53,30 +49,24 @@ def assign_regions(gm: GraphModule) -> dict[Node, str]:
     return regions
 
 
-def extract_stage(gm: GraphModule, name: str, nodes: list[Node], build_module: bool = True) -> Stage:
-    inputs, outputs = boundary(nodes)
-    stage = Stage(name, nodes, inputs, outputs)
-    if build_module:
-        graph = Graph()
-        env: dict[Node, Node] = {}
-        for node in inputs:
-            placeholder = graph.placeholder(node.name)
-            placeholder.meta = dict(node.meta)
-            env[node] = placeholder
-        for node in nodes:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-        graph.output(tuple(env[n] for n in outputs))
-        stage.module = GraphModule(gm, graph, f"{name}_region")
-    return stage
-
-
-def split_regions(gm: GraphModule) -> dict[str, Stage]:
+def split_regions(gm: GraphModule) -> GraphModule:
+    """``gm`` as a GraphModule that calls its ``full`` and ``reduced`` region submodules."""
     regions = assign_regions(gm)
-    by_region: dict[str, list[Node]] = {FULL: [], BOUNDARY: [], REDUCED: []}
-    for node, region in regions.items():
-        by_region[region].append(node)
-    return {
-        FULL: extract_stage(gm, FULL, by_region[FULL]),
-        BOUNDARY: extract_stage(gm, BOUNDARY, by_region[BOUNDARY], build_module=False),
-        REDUCED: extract_stage(gm, REDUCED, by_region[REDUCED]),
-    }
+    split = split_module(gm, gm, lambda node: _PARTITION[regions[node]])
+    for name, region in (("submod_0", FULL), ("submod_1", REDUCED)):
+        if not hasattr(split, name):
+            raise ValueError(f"the cut graph has no {region} region")
+    return rename_submodules(split, {"submod_0": FULL, "submod_1": REDUCED})
+
+
+def rename_submodules(split: GraphModule, names: dict[str, str]) -> GraphModule:
+    """Call ``split``'s submodules by ``names`` (``submod_3`` -> ``piece_3``): what a report or a
+    profile shows."""
+    for node in split.graph.nodes:
+        if node.op == "call_module" and node.target in names:
+            module = getattr(split, node.target)
+            delattr(split, node.target)
+            setattr(split, names[node.target], module)
+            node.target = names[node.target]
+    split.recompile()
+    return split

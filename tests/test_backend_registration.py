@@ -8,7 +8,7 @@ from examples.yoco import Config, YocoLike
 
 def test_entry_point_registered():
     assert "fx_fastprefill" in torch._dynamo.list_backends(exclude_tags=())
-    from fx_fastprefill.compile_backend import fx_fastprefill_backend
+    from fx_fastprefill.compilation.backend import fx_fastprefill_backend
     assert torch._dynamo.lookup_backend("fx_fastprefill") is fx_fastprefill_backend
 
 

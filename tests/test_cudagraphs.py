@@ -10,11 +10,13 @@ import pytest
 import torch
 
 import fx_fastprefill
-from fx_fastprefill import SeqChunk, compile_backend, fallbacks
-from fx_fastprefill.passes.split_at_attention import EagerOp, Piece, split_at_attention
-from fx_fastprefill.fast_prefill_module import FastPrefillModule
-from fx_fastprefill.piecewise_region import PiecewiseRegion
-from fx_fastprefill.runner import default_token_pad_sizes
+from fx_fastprefill import SeqChunk
+from fx_fastprefill.compilation import fallbacks
+from fx_fastprefill.compilation.backend import FastPrefillBackend
+from fx_fastprefill.compilation.cudagraphs import StagingBuffers
+from fx_fastprefill.ops.schema import is_package_op
+from fx_fastprefill.passes.split_pieces import EAGER, GRAPH, VIEWS, runs_eagerly, split_pieces
+from fx_fastprefill.runtime.runner import default_token_pad_sizes
 from examples.gemma3n import Config, Gemma3nLike
 
 STEPS = [
@@ -47,8 +49,7 @@ def test_default_sizes_pad_little():
 
 @functools.lru_cache(maxsize=None)
 def reference() -> list[torch.Tensor]:
-    """The model's logits without the cut, padding or graphs (regions are not made, so the
-    fixtures' patches do not reach it)."""
+    """The model's logits without the cut, padding or graphs."""
     torch._dynamo.reset()
     return run(fx_fastprefill.backend(compiler="eager", fast_prefill=False))[1]
 
@@ -64,69 +65,80 @@ def test_padded_steps_give_the_same_logits():
 class RerunGraph:
     """A CUDA graph's contract on the CPU: replay reads the recorded input tensors and writes the
     recorded output tensors, whatever the caller holds."""
-    replays = 0
 
     def __init__(self, fn, args, outputs):
         self.fn, self.args, self.outputs = fn, list(args), outputs
+        self.replays = 0
 
     def replay(self):
-        RerunGraph.replays += 1
+        self.replays += 1
         for out, new in zip(self.outputs, self.fn(list(self.args))):
             if isinstance(out, torch.Tensor):
                 out.copy_(new)
 
 
-@pytest.fixture(params=["eager", "inductor"])
-def rerun_graphs(monkeypatch, request):
-    """Cut regions run as pieces recorded by RerunGraph (CPU). With Inductor pieces, each piece
-    also checks that its inputs have the sizes and strides it was compiled for."""
-    original = compile_backend._compile_region
+class RerunRecorder:
+    """Records a piece as a RerunGraph (the backend's ``graph_recorder``, in place of CUDA graphs)."""
 
-    def piecewise(gm, inputs, compiler, static_input_idxs=(), cudagraphs=False, record_fallback=None):
-        return original(gm, inputs, request.param, static_input_idxs, True, record_fallback)
+    def __init__(self):
+        self.graphs = []
 
-    def capture(self, fn, args, recorded):
+    def new_pool(self):
+        return None
+
+    def capture(self, fn, args, pool):
         outputs = fn(list(args))
-        return RerunGraph(fn, args, outputs), outputs
+        self.graphs.append(RerunGraph(fn, args, outputs))
+        return self.graphs[-1], outputs
 
-    monkeypatch.setattr(compile_backend, "_compile_region", piecewise)
-    # As with cudagraphs=True: the model's outputs are copied out of the graphs' memory.
-    monkeypatch.setattr(compile_backend, "FastPrefillModule",
-                        lambda *args, **kwargs: FastPrefillModule(*args, **{**kwargs, "copy_outputs": True}))
-    monkeypatch.setattr(PiecewiseRegion, "_capture", capture)
-    monkeypatch.setattr(PiecewiseRegion, "_alias", staticmethod(lambda t: t))
-    RerunGraph.replays = 0
-    return RerunGraph
+    @staticmethod
+    def alias(t):
+        return t
+
+    @property
+    def replays(self):
+        return sum(g.replays for g in self.graphs)
 
 
-def test_recorded_pieces_replay_the_model(rerun_graphs):
-    # Staging of eager-op outputs, the non-static region inputs and the per-size keys: a replay
-    # must compute what the model computes without graphs, step after step.
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_recorded_pieces_replay_the_model(compiler):
+    """Staging of eager-op outputs, the non-static region inputs and the per-size keys: a replay
+    must compute what the model computes without graphs, step after step. With Inductor pieces,
+    each piece also checks that its inputs have the sizes and strides it was compiled for."""
     plain = reference()
     torch._dynamo.reset()
-    backend = fx_fastprefill.backend(compiler="eager")
+    recorder = RerunRecorder()
+    backend = FastPrefillBackend(compiler=compiler, cudagraphs=True, graph_recorder=recorder)
     runner, replayed = run(backend, capture=True, token_pad_sizes=[16, 48, 64])
     for p, q in zip(plain, replayed):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5)
-    assert runner.report.cut and rerun_graphs.replays > 0
+    assert runner.report.cut and runner.report.cudagraphs and recorder.replays > 0
     assert backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP] > 0  # each new size's first call is counted
 
 
-def test_pieces_split_at_the_package_ops():
+def test_pieces_split_at_the_package_ops_and_gathers():
     from examples.dense import tiny
     torch.manual_seed(0)
     runner = fx_fastprefill.Runner(tiny(), backend=fx_fastprefill.backend(compiler="eager"), max_num_tokens=32)
     runner.step([SeqChunk(0, list(range(1, 12)), 1), SeqChunk(1, list(range(3, 9)), 1)])
     gm = runner.report.graph
-    steps = split_at_attention(gm)
-    package_ops = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("fx_fastprefill.")]
-    assert [s.node for s in steps if isinstance(s, EagerOp)] == package_ops
-    pieces = [s for s in steps if isinstance(s, Piece)]
-    assert sum(len([n for n in p.module.graph.nodes if n.op == "call_function"]) for p in pieces) == \
-        len([n for n in gm.graph.nodes if n.op == "call_function"]) - len(package_ops)
+    split, infos = split_pieces(gm)
+    calls = lambda module: [n for n in module.graph.nodes if n.op == "call_function"]  # noqa: E731
+    eager = [n for n in calls(gm) if runs_eagerly(n)]
+    assert any(is_package_op(n) for n in eager) and any(not is_package_op(n) for n in eager)  # attention and gathers
+    # Every node runs once, in a piece of the right kind; eager pieces hold nothing else.
+    by_kind = {kind: [op for i in infos if i.kind == kind for op in calls(getattr(split, i.name))]
+               for kind in (EAGER, GRAPH, VIEWS)}
+    assert [n.target for n in by_kind[EAGER]] == [n.target for n in eager]
+    assert sum(map(len, by_kind.values())) == len(calls(gm))
+    assert [i.kind for i in infos].count(EAGER) > 1 and all(
+        a.kind != b.kind or a.kind != EAGER for a, b in zip(infos, infos[1:]))
     # Canonical names: identical layers give pieces of identical code (Inductor's cache can hit).
-    codes = [p.module.code for p in pieces]
+    codes = [getattr(split, i.name).code for i in infos if i.kind == GRAPH]
     assert len(set(codes)) < len(codes)
+    # The split graph computes what the graph computes.
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [n.name for n in split.graph.nodes if n.op == "placeholder"] == [n.name for n in inputs]
 
 
 def test_bad_pad_sizes_and_seq_ids():
@@ -142,15 +154,15 @@ def test_bad_pad_sizes_and_seq_ids():
         fx_fastprefill.backend(cudagraphs=True, compiler="eager")
 
 
-def test_cudagraphs_on_the_cpu_fall_back_with_a_reason(monkeypatch):
-    from torch._functorch.aot_autograd import make_boxed_func
-    # What is tested is the choice made before Inductor: skip Inductor's CPU compile.
-    monkeypatch.setattr(compile_backend, "_inductor", lambda gm, inputs, static: make_boxed_func(gm))
+def test_cudagraphs_on_the_cpu_fall_back_with_a_reason():
+    from examples.dense import Config, Dense
+    torch.manual_seed(0)
     backend = fx_fastprefill.backend(cudagraphs=True)
-    runner = fx_fastprefill.Runner(model(), backend=backend, max_num_tokens=16, max_model_len=32,
+    runner = fx_fastprefill.Runner(Dense(Config(n_layers=2)), backend=backend, max_num_tokens=16, max_model_len=32,
                                    token_pad_sizes=[4, 16])
     runner.step([SeqChunk(0, [1, 2, 3])])
     assert backend.fallbacks[fallbacks.CUDAGRAPHS_NOT_CUDA] == 1 and not runner.report.cudagraphs
+    assert runner.report.fallbacks[fallbacks.CUDAGRAPHS_NOT_CUDA] == 1
 
 
 @pytest.mark.gpu
@@ -171,7 +183,6 @@ def test_cudagraph_replays_match_the_model_without_graphs():
 
 
 def test_staging_keeps_strides_and_grows_without_moving_old_views():
-    from fx_fastprefill.piecewise_region import StagingBuffers
     staging = StagingBuffers()
     strided = torch.randn(4, 7, 8)[:, 2]  # [4, 8] with stride (56, 1): what a compiled reader expects
     view = staging.view(0, strided)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import fx_fastprefill
-import fx_fastprefill.explain as explain
+import fx_fastprefill.report.explain as explain
 from examples import gemma3n
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,7 +137,7 @@ def test_bad_arguments(capsys, argv, message):
 
 
 def test_picture_path_must_be_svg_or_png(tmp_path):
-    from fx_fastprefill.cut_picture import draw_cut
+    from fx_fastprefill.report.picture import draw_cut
     with pytest.raises(ValueError, match="must end in .svg or .png"):
         draw_cut(fx_fastprefill.FastPrefillReport(cut=False), tmp_path / "cut.pdf")
 
@@ -167,7 +167,7 @@ def test_fallbacks_logged_once_then_counted(caplog):
 
 
 def test_env_var_switches_logging_on(monkeypatch):
-    from fx_fastprefill import logs
+    from fx_fastprefill.compilation import logs
     monkeypatch.setenv(logs.ENV_VAR, "verbose")
     with pytest.raises(ValueError, match="FX_FASTPREFILL_LOG must be one of"):
         logs.configure_logging()

@@ -11,7 +11,7 @@ import expecttest
 import torch
 
 import fx_fastprefill
-from fx_fastprefill.graph_printer import print_cut_graph
+from fx_fastprefill.report.printer import print_cut_graph
 from examples import dense, gemma3n, yoco
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import fx_fastprefill
-from fx_fastprefill import SeqChunk, attention_op
-from fx_fastprefill.split_kv_attention import split_kv_attention
-from fx_fastprefill.varlen_attention import emulated_varlen_kernel
+from fx_fastprefill import SeqChunk
+from fx_fastprefill.ops import attention as attention_op
+from fx_fastprefill.ops.kernels.split_kv import split_kv_attention
+from fx_fastprefill.ops.kernels.varlen import emulated_varlen_kernel
 from examples.gemma3n import Config, Gemma3nLike
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .fallbacks import FallbackCounter
+from ..compilation.fallbacks import FallbackCounter
 
 
 @dataclass
@@ -75,6 +75,8 @@ class FastPrefillReport:
     fallbacks: FallbackCounter = field(default_factory=FallbackCounter)
     # Whether the regions were compiled with piecewise CUDA graphs (asked for, and on CUDA).
     cudagraphs: bool = False
+    # Seconds each pass of the pipeline took (compilation/pipeline.py), in order.
+    pass_seconds: dict[str, float] = field(default_factory=dict)
     # The cut aten graph and its region of every node, for printing (not part of the summary).
     graph: Any = field(default=None, repr=False)
     placeholder_names: dict = field(default_factory=dict, repr=False)
@@ -148,3 +150,17 @@ class FastPrefillReport:
         if self.fallbacks:
             lines.append("runtime fallbacks: " + ", ".join(f"{r}: {n}" for r, n in self.fallbacks.items()))
         return "\n".join(lines)
+
+
+class ReportLog(list):
+    """The reports of a backend, newest last; holds at most ``max_reports`` (the oldest are dropped:
+    each report keeps its graph alive)."""
+
+    def __init__(self, max_reports: int):
+        super().__init__()
+        self.max_reports = max_reports
+
+    def append(self, report: FastPrefillReport) -> None:
+        super().append(report)
+        if len(self) > self.max_reports:
+            del self[: len(self) - self.max_reports]

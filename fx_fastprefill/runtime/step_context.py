@@ -34,8 +34,6 @@ class StepMetadata:
     # True when some request has a prompt row that needs no logits (the reduced region can help).
     has_prefill: bool
     step_id: int = 0
-    # Set when a mode that cannot hold a reduced batch is asked for (one CUDA graph for the step).
-    whole_step_graph: bool = False
     # The real logits rows (before padding), when the caller knows them: lets a varlen kernel run
     # the query-subset form without reading the row indices back from the device.
     logits_rows: list[int] | None = None

@@ -20,7 +20,7 @@ from torch import nn
 from .batch import SeqChunk, default_logits_indices, pad_to_bucket, padded_indices, validate_logits_indices
 from .dynamic_shapes import compile_for_varying_sizes, varying_sizes
 from .dynamo_guards import cheap_guards
-from .fallbacks import FallbackCounter
+from ..compilation.fallbacks import FallbackCounter
 from .kv_cache import KVCache
 from .step_context import StepMetadata, step_context, to_device
 
@@ -122,7 +122,6 @@ class Runner:
         self.resize_kv_cache(max_num_seqs, max_model_len)
         self._next_seq_id = 0
         self._step_id = 0
-        self.steps_run = 0
 
     def resize_kv_cache(self, max_num_seqs: int, max_model_len: int) -> None:
         """A new, empty KV cache for at most ``max_num_seqs`` requests of ``max_model_len`` tokens.
@@ -148,7 +147,7 @@ class Runner:
     @staticmethod
     def _resolve_backend(backend: Any) -> Any:
         if backend == "fx_fastprefill":
-            from .compile_backend import backend as make_backend
+            from ..compilation.backend import backend as make_backend
             return make_backend()
         return backend
 
@@ -258,7 +257,6 @@ class Runner:
         for request, chunk in zip(requests, chunks):
             if request is not self._padding:  # padding rows rewrite position 0 of their own region
                 request.num_computed += len(chunk.tokens)
-        self.steps_run += 1
         # With CUDA graphs the compiled model has already copied its outputs out of graph memory.
         return logits[: len(rows)]
 

@@ -1,8 +1,9 @@
 """``fx_fastprefill.attention``: causal attention over a packed variable-length batch with a KV cache.
 
-The op is opaque to the compiler on purpose: the FX passes recognise it by name, read the KV-sharing
-relation from its ``layer`` / ``kv_source`` arguments, and rewrite it to its query-subset form
-(``query_rows``) in the reduced region. Per-step batch layout comes from :mod:`step_context`.
+The kernels of the ``attention`` and ``write_kv`` ops (schemas in ``ops/schema.py``). The op is opaque
+to the compiler on purpose: the FX passes recognise it by handle,
+read the KV-sharing relation from its ``layer`` / ``kv_source`` arguments, and rewrite it to its query-subset form
+(``query_rows``) in the reduced region. Per-step batch layout comes from :mod:`fx_fastprefill.runtime.step_context`.
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .reference_attention import prepare_kv, reference_attention, write_kv_rows
-from .split_kv_attention import HAS_TRITON, split_kv_attention
-from .varlen_attention import flash_supported, flash_varlen_kernel, varlen_attention
-from .step_context import current_step
-
-OP_NAMESPACE = "fx_fastprefill"
+from ..runtime.step_context import current_step
+from .kernels.reference import prepare_kv, reference_attention, write_kv_rows
+from .kernels.split_kv import HAS_TRITON, split_kv_attention
+from .kernels.varlen import flash_supported, flash_varlen_kernel, varlen_attention
+from .schema import NAMESPACE
 
 
 def _check_arguments(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_source: str | None,
@@ -57,7 +57,7 @@ def _require_step(layer: str):
     return step
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::write_kv", mutates_args=())
+@torch.library.impl(f"{NAMESPACE}::write_kv", "CompositeExplicitAutograd")
 def write_kv_op(k: Tensor, v: Tensor, layer: str) -> Tensor:
     """Write this step's K/V rows of ``layer`` to its cache; returns an empty token tensor.
 
@@ -69,12 +69,12 @@ def write_kv_op(k: Tensor, v: Tensor, layer: str) -> Tensor:
     return k.new_empty(0)
 
 
-@write_kv_op.register_fake
+@torch.library.register_fake(f"{NAMESPACE}::write_kv")
 def _write_kv_fake(k, v, layer):
     return k.new_empty(0)
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::attention", mutates_args=())
+@torch.library.impl(f"{NAMESPACE}::attention", "CompositeExplicitAutograd")
 def attention_op(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_source: str | None,
                  sliding_window: int | None, scale: float | None, query_rows: Tensor | None,
                  kv_written: Tensor | None) -> Tensor:
@@ -89,7 +89,7 @@ def attention_op(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_s
     return reference_attention(q, k, v, keys, values, sliding_window, scale, query_rows, step)
 
 
-@attention_op.register_fake
+@torch.library.register_fake(f"{NAMESPACE}::attention")
 def _attention_fake(q, k, v, layer, kv_source, sliding_window, scale, query_rows, kv_written):
     _check_arguments(q, k, v, layer, kv_source, sliding_window, query_rows)
     v_head_dim = v.shape[2] if v is not None else q.shape[2]
@@ -109,9 +109,3 @@ def attention(q: Tensor, k: Tensor | None = None, v: Tensor | None = None, *, la
     """
     return torch.ops.fx_fastprefill.attention(q, k, v, layer, kv_source, sliding_window, scale, query_rows, None)
 
-
-ATTENTION_OP = torch.ops.fx_fastprefill.attention.default
-WRITE_KV_OP = torch.ops.fx_fastprefill.write_kv.default
-
-# Argument positions of the attention op.
-Q, K, V, LAYER, KV_SOURCE, SLIDING_WINDOW, SCALE, QUERY_ROWS, KV_WRITTEN = range(9)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention_op import OP_NAMESPACE
+from .schema import NAMESPACE
 
 
 def _bottom_right_causal(num_q: int, num_k: int, device) -> Tensor:
@@ -32,7 +32,7 @@ def _heads_inner(out: Tensor) -> Tensor:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::sdpa", mutates_args=())
+@torch.library.impl(f"{NAMESPACE}::sdpa", "CompositeExplicitAutograd")
 def sdpa_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
             scale: float | None, enable_gqa: bool, layer: str, query_suffix: bool) -> Tensor:
     num_q, num_k = q.shape[-2], k.shape[-2]
@@ -53,15 +53,10 @@ def _and_mask(mask: Tensor, causal: Tensor, dtype: torch.dtype) -> Tensor:
     return mask.masked_fill(~causal, float("-inf")).to(mask.dtype if mask.is_floating_point() else dtype)
 
 
-@sdpa_op.register_fake
+@torch.library.register_fake(f"{NAMESPACE}::sdpa")
 def _sdpa_fake(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layer, query_suffix):
     if q.dim() == 4:
         batch, heads, num_q, _ = q.shape
         return q.new_empty(batch, num_q, heads, v.shape[-1]).transpose(1, 2)
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
-
-SDPA_OP = torch.ops.fx_fastprefill.sdpa.default
-
-# Argument positions of the sdpa op.
-SDPA_Q, SDPA_K, SDPA_V, SDPA_MASK, SDPA_DROPOUT, SDPA_IS_CAUSAL, SDPA_SCALE, SDPA_GQA, SDPA_LAYER, SDPA_QUERY_SUFFIX = range(10)

@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import re
 
-import sympy
-
 from torch.fx import GraphModule, Node
 
-from fx_fastprefill.attention_op import ATTENTION_OP, K, KV_SOURCE, LAYER, V, WRITE_KV_OP
+from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_SOURCE, LAYER, SDPA_K, SDPA_LAYER, SDPA_OP, SDPA_V, V, WRITE_KV_OP
 from fx_fastprefill.passes.attention_nodes import find_attention_nodes
-from fx_fastprefill.sdpa_op import SDPA_K, SDPA_LAYER, SDPA_OP, SDPA_V
+from fx_fastprefill.passes.fx_utils import innermost_module, size_names
+from fx_fastprefill.passes.fx_utils import op_name as target_name
 
-from .report import FastPrefillReport, GatheredTensor, HoistStop, NarrowedTensor
-
-
-def clean_name(name: str) -> str:
-    """Dynamo's placeholder names as module paths: L_self_modules_embed_parameters_weight_ -> embed.weight."""
-    name = re.sub(r"^[lL]_(self_)?", "", name).rstrip("_")
-    name = re.sub(r"_(modules|parameters|buffers)_", ".", "_" + name).lstrip("_").lstrip(".")
-    name = re.sub(r"^(modules|parameters|buffers)_", "", name)
-    return name
+from .printer import format_shape
+from .printer import format_shape
+from .report import AttentionLayerInfo, FastPrefillReport, GatheredTensor, HoistStop, NarrowedTensor
 
 
 def source_line(node: Node) -> str:
@@ -37,29 +30,14 @@ def source_line(node: Node) -> str:
     return f"{path.rsplit('/', 1)[-1]}:{line} in {fn}: {code.strip()}"
 
 
-def module_path(node: Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return clean_name(path.replace("L['self'].", "").replace("L__self___", "")) if path else ""
-
-
 def op_name(node: Node) -> str:
-    target = node.target
-    if node.op == "placeholder":
-        return "graph input"
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        overload = target._overloadname
-        return schema.name.replace("::", ".") + ("" if overload == "default" else f".{overload}")
-    return str(target)
+    return "graph input" if node.op == "placeholder" else target_name(node.target)
 
 
 def describe(node: Node, report: FastPrefillReport) -> str:
     if node.op == "placeholder":
         return report.placeholder_names.get(node, node.name)
-    path = module_path(node)
+    path = innermost_module(node)
     return f"{path}:{node.name}" if path else node.name
 
 
@@ -106,24 +84,59 @@ def hoist_stop(stop, report: FastPrefillReport, feeds_kv: dict[Node, list[str]])
                      describe(blocker, report) if blocker is not None else "", kv_layers)
 
 
-def _size_names(report: FastPrefillReport) -> dict:
-    symbols = {report.rows_symbol: "T"}
-    if isinstance(report.reduced_rows_symbol, sympy.Symbol):  # a static suffix has no symbol
-        symbols[report.reduced_rows_symbol] = "R"
-    return symbols
-
-
 def gathered(node: Node, report: FastPrefillReport) -> GatheredTensor:
-    from .graph_printer import format_shape
     source = node.meta["ffp_source"]
-    symbols = _size_names(report)
+    symbols = size_names(report.rows_symbol, report.reduced_rows_symbol)
     shape = f"{format_shape(source.meta['val'], symbols)} -> {format_shape(node.meta['val'], symbols)}"
     return GatheredTensor(describe(source, report), shape, source_line(source))
 
 
 def narrowed_tensor(split, report: FastPrefillReport) -> NarrowedTensor:
     """A tensor split by passes/narrow_sliced_producers.py (``split`` is its ``Narrowed``)."""
-    from .graph_printer import format_shape
     node = split.tensor
-    return NarrowedTensor(describe(node, report), format_shape(node.meta["val"], _size_names(report)), split.dim,
+    return NarrowedTensor(describe(node, report), format_shape(node.meta["val"], size_names(report.rows_symbol, report.reduced_rows_symbol)), split.dim,
                           list(split.full), list(split.reduced), source_line(node))
+
+
+def build_report(ctx, input_names: dict, cudagraphs: bool, fallbacks) -> FastPrefillReport:
+    """The report of one compiled graph, from the pipeline's context (``ctx``: a PassContext)."""
+    from fx_fastprefill.compilation.pipeline import HOIST_STOPPED
+    graph = ctx.gm if not ctx.declined else (ctx.unchanged or ctx.gm)
+    names = dict(input_names)
+    names.update({ctx.copies[node]: name for node, name in input_names.items() if node in ctx.copies})
+    report = FastPrefillReport(
+        cut=not ctx.declined,
+        reason=ctx.declined,
+        attention_layers=[AttentionLayerInfo(a.layer, a.kv_source, a.sliding_window, a.masked) for a in ctx.layers],
+        eligible_layers=list(ctx.eligible),
+        draft_layers=[a.layer for a in ctx.layers if a.layer in ctx.options.draft_layers],
+        prompt_len=ctx.options.prompt_len,
+        fallbacks=fallbacks,
+        cudagraphs=cudagraphs,
+        pass_seconds=dict(ctx.seconds),
+        graph=graph,
+        placeholder_names={n: names.get(n, n.name) for n in graph.graph.nodes if n.op == "placeholder"},
+    )
+    plan = ctx.plan
+    if plan is None:
+        return report
+    report.rows_symbol, report.reduced_rows_symbol = plan.rows, plan.reduced_rows
+    report.placeholder_names.update({n: names.get(n, n.name) for n in ctx.gm.graph.nodes if n.op == "placeholder"})
+    feeds_kv = kv_consumers(ctx.gm)
+    report.stops = [hoist_stop(stop, report, feeds_kv) for stop in plan.stops]
+    report.flops_full = ctx.flops_full
+    if ctx.declined == HOIST_STOPPED and report.stops:
+        first = report.stops[0]
+        hint = " (hidden states or attentions asked for as outputs keep every row)" if first.reason == "a graph output" else ""
+        report.reason = f"{HOIST_STOPPED}: {first.tensor} ({first.op}): {first.reason}{hint}"
+    if ctx.declined:
+        return report
+    reduced_attention = set(plan.reduced_attention)
+    report.row_selection = ("rows by logits_indices" if plan.suffix is None else
+                            f"the last {plan.suffix} row{'s' if plan.suffix > 1 else ''} of each sequence (logits_to_keep)")
+    report.reduced_layers = [a.layer for a in find_attention_nodes(ctx.gm.graph) if a.node in reduced_attention]
+    report.gathered = [gathered(node, report) for node in ctx.gm.graph.nodes if "ffp_source" in node.meta]
+    report.narrowed = [narrowed_tensor(split, report) for split in ctx.narrowed]
+    report.flops_cut = ctx.flops_cut
+    report.flops_removed_fraction = 1.0 - ctx.flops_cut / ctx.flops_full if ctx.flops_full else 0.0
+    return report

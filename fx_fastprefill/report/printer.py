@@ -11,6 +11,9 @@ import sympy
 import torch
 from torch.fx import Node
 
+from fx_fastprefill.passes.fx_utils import op_name, size_names
+from fx_fastprefill.passes.split_regions import BOUNDARY, FULL, REDUCED, assign_regions
+
 DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int64: "i64",
           torch.int32: "i32", torch.bool: "b8", torch.float64: "f64"}
 
@@ -35,25 +38,10 @@ def format_shape(val, symbols: dict) -> str:
     return type(val).__name__
 
 
-def _op_name(target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        ns = target.namespace
-        name = target._schema.name.split("::")[-1]
-        overload = target._overloadname
-        return f"{ns}.{name}" + ("" if overload == "default" else f".{overload}")
-    return getattr(target, "__name__", str(target))
-
-
 def print_cut_graph(report) -> str:
     """The report's graph, region by region."""
-    from fx_fastprefill.passes.split_regions import BOUNDARY, FULL, REDUCED, assign_regions
-
     gm = report.graph
-    symbols: dict = {}
-    if getattr(report, "rows_symbol", None) is not None:
-        symbols[report.rows_symbol] = "T"
-        if isinstance(report.reduced_rows_symbol, sympy.Symbol):  # a static suffix has no symbol
-            symbols[report.reduced_rows_symbol] = "R"
+    symbols = size_names(report.rows_symbol, report.reduced_rows_symbol)
     regions = assign_regions(gm) if report.cut else {}
     names: dict[Node, str] = {}
     for node in gm.graph.nodes:
@@ -94,7 +82,7 @@ def print_cut_graph(report) -> str:
         names[node] = f"{prefix[section]}{counters[section]}"
         counters[section] += 1
         args = ", ".join([arg_text(a) for a in node.args] + [f"{k}={arg_text(v)}" for k, v in node.kwargs.items()])
-        sections[section].append(f"  %{names[node]} = {_op_name(node.target)}({args}) : {format_shape(node.meta.get('val'), symbols)}")
+        sections[section].append(f"  %{names[node]} = {op_name(node.target)}({args}) : {format_shape(node.meta.get('val'), symbols)}")
     output = next(n for n in gm.graph.nodes if n.op == "output")
     lines = ["inputs:"] + inputs
     titles = {FULL: "full region (all T rows):", BOUNDARY: "boundary (gather rows by logits_indices):",

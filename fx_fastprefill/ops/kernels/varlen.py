@@ -19,9 +19,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .step_context import StepMetadata, to_device
+from ...runtime.step_context import StepMetadata, to_device
 
-# Requests with at most this many queries go to the split-KV kernel (split_kv_attention.py), short
+# Requests with at most this many queries go to the split-KV kernel (split_kv.py), short
 # key ranges too: alone, FlashAttention's query-subset form was faster at 512 keys (probe run 2),
 # but inside Gemma 4 at 1x8192 sending those calls to it made the step 4% slower (BENCHMARKS.md, run 6).
 SPLIT_KV_MAX_QUERIES = 4

@@ -63,8 +63,8 @@ def compile_and_report(model: nn.Module, *, prompt_len: int = 2048, draft_layers
     The cut does not depend on how the regions are compiled afterwards, so by default they run
     eagerly (``compiler="eager"``): explaining a model takes seconds, not an Inductor build.
     """
-    from .compile_backend import backend as make_backend
-    from .runner import Runner, vocab_size_of
+    from ..compilation.backend import backend as make_backend
+    from ..runtime.runner import Runner, vocab_size_of
 
     backend = make_backend(draft_layers=draft_layers, prompt_len=prompt_len, compiler=compiler)
     vocab = vocab_size_of(model)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.format == "json":
         out: Any = [r.to_dict() for r in reports]
         if args.graph:
-            from .graph_printer import print_cut_graph
+            from .printer import print_cut_graph
             for d, r in zip(out, reports):
                 d["graph"] = print_cut_graph(r)
         print(json.dumps(out if len(out) > 1 else out[0], indent=2))
@@ -123,11 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"=== graph {k} of {len(reports)} ===")
             print(report.explain())
             if args.graph:
-                from .graph_printer import print_cut_graph
+                from .printer import print_cut_graph
                 print("\n" + print_cut_graph(report))
     target = args.svg or args.png
     if target:
-        from .cut_picture import PictureUnavailable, draw_cut
+        from .picture import PictureUnavailable, draw_cut
         main_report = max(reports, key=lambda r: len(r.attention_layers))
         try:
             written = draw_cut(main_report, target, title=args.factory)

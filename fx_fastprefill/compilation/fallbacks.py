@@ -15,8 +15,9 @@ log = logging.getLogger("fx_fastprefill")
 NO_STEP_METADATA = "no step metadata (capture, dummy batch or a call outside the Runner)"
 PURE_DECODE = "pure decode batch (every row needs logits)"
 NOT_SMALLER = "padded logits rows are not fewer than the tokens"
-WHOLE_STEP_GRAPH = "a whole-step CUDA graph was asked for, which cannot hold a reduced batch"
 NO_LOGITS_ROWS = "no logits rows in this step (R == 0): reduced region skipped"
+# Compile-time: a pass or the regions' compile failed; the graph was compiled unchanged (the report says why).
+PASS_FAILED = "the pass failed on this graph: compiled unchanged"
 # Compile-time: piecewise CUDA graphs were asked for but cannot be used for this graph.
 CUDAGRAPHS_NOT_CUDA = "CUDA graphs asked for, but the graph's inputs are not on a CUDA device: compiled without them"
 # Run-time, per region call with piecewise CUDA graphs.
@@ -28,9 +29,9 @@ CUDAGRAPH_STATIC_INPUT_MOVED = "a parameter or buffer moved since the CUDA graph
 class FallbackCounter(Counter):
     """Occurrences by reason; logs each reason once."""
 
-    def record(self, reason: str, where: str = "") -> None:
+    def record(self, reason: str) -> None:
         if reason not in self:
-            log.info("fallback%s: %s (logged once; counted in .fallbacks)", f" [{where}]" if where else "", reason)
+            log.info("fallback: %s (logged once; counted in .fallbacks)", reason)
         else:
-            log.debug("fallback%s: %s (%d times so far)", f" [{where}]" if where else "", reason, self[reason] + 1)
+            log.debug("fallback: %s (%d times so far)", reason, self[reason] + 1)
         self[reason] += 1

@@ -1,0 +1,1 @@
+"""The torch.compile backend: pass pipeline, region executor, piecewise CUDA graphs, fallbacks."""

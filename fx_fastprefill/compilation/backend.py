@@ -1,0 +1,187 @@
+"""The torch.compile backend: AOT to a functional aten graph, the pass pipeline, then the regions
+compiled and put behind the per-step gate.
+
+``torch.compile(model, backend="fx_fastprefill")`` uses a shared default instance;
+``fx_fastprefill.backend(...)`` makes one with options and its own ``reports``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch.fx import GraphModule, Node
+
+from fx_fastprefill.passes.capture_sdpa import capture_sdpa
+from fx_fastprefill.passes.fx_utils import input_name, placeholders
+from fx_fastprefill.passes.split_regions import FULL, REDUCED
+
+from ..report.builder import build_report
+from ..report.report import ReportLog
+from . import fallbacks as fallback_reasons
+from .compile_graph import COMPILERS, as_submodule, compile_boxed, inductor, returns_tuple, swap_submodule
+from .cudagraphs import PiecewiseRegion, Recorder, non_owning_supported
+from .fallbacks import FallbackCounter
+from .pipeline import PassContext, PipelineOptions, run_pipeline
+from .regions import CompiledProgram, StepGate
+
+log = logging.getLogger("fx_fastprefill")
+
+
+def _decompositions():
+    from torch._inductor.decomposition import select_decomp_table
+    return select_decomp_table()
+
+
+def _static_inputs(inputs: list[Node]) -> set[Node]:
+    """The placeholders AOT marked static (parameters and buffers): same address every call."""
+    from torch._guards import TracingContext
+    context = TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    indices = getattr(metadata, "static_input_indices", None) or []
+    return {inputs[i] for i in indices if i < len(inputs)}
+
+
+class FastPrefillBackend:
+    """A torch.compile backend. Keeps a :class:`FastPrefillReport` per compiled graph in ``reports``
+    (the latest ``max_reports``).
+
+    ``graph_recorder`` replaces CUDA graphs by another recorder (tests: a stand-in on the CPU)."""
+
+    def __init__(self, *, fast_prefill: bool = True, draft_layers: Iterable[str] = (), compiler: str = "inductor",
+                 prompt_len: int = 2048, cudagraphs: bool = False, narrow_slices: bool = True,
+                 max_reports: int = 64, graph_recorder: Recorder | None = None):
+        if not isinstance(fast_prefill, bool):
+            raise TypeError(f"fast_prefill must be a bool, got {fast_prefill!r}")
+        if isinstance(draft_layers, str) or not all(isinstance(d, str) for d in draft_layers):
+            raise TypeError(f"draft_layers must be an iterable of layer names (str), got {draft_layers!r}")
+        if compiler not in COMPILERS:
+            raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        if not isinstance(prompt_len, int) or prompt_len < 1:
+            raise ValueError(f"prompt_len must be a positive int (the prompt length of the FLOPs estimate), got {prompt_len!r}")
+        if not isinstance(cudagraphs, bool):
+            raise TypeError(f"cudagraphs must be a bool, got {cudagraphs!r}")
+        if not isinstance(narrow_slices, bool):
+            raise TypeError(f"narrow_slices must be a bool, got {narrow_slices!r}")
+        if not isinstance(max_reports, int) or max_reports < 1:
+            raise ValueError(f"max_reports must be a positive int, got {max_reports!r}")
+        if cudagraphs and compiler != "inductor" and graph_recorder is None:
+            raise ValueError(f"cudagraphs=True needs compiler='inductor' (the regions are captured by Inductor), got {compiler!r}")
+        if cudagraphs and graph_recorder is None and not non_owning_supported():
+            raise RuntimeError(f"cudagraphs=True needs torch._C._construct_storage_from_data_pointer (non-owning "
+                               f"views of graph outputs), absent in torch {torch.__version__}")
+        self.cudagraphs = cudagraphs
+        self.compiler = compiler
+        self.options = PipelineOptions(fast_prefill, tuple(draft_layers), narrow_slices, prompt_len)
+        self.graph_recorder = graph_recorder
+        self.reports = ReportLog(max_reports)
+        self.fallbacks = FallbackCounter()
+        self._input_names: list[str] = []
+
+    @property
+    def fast_prefill(self) -> bool:
+        return self.options.fast_prefill
+
+    def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
+        self._input_names = [input_name(n.name) for n in placeholders(gm)]
+        if self.options.fast_prefill:
+            capture_sdpa(gm)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=self._compile_aten,
+                                     inference_compiler=self._compile_aten, decompositions=_decompositions())
+
+    def _compile_aten(self, gm: GraphModule, example_inputs: Sequence[Any]):
+        inputs = placeholders(gm)
+        names = dict(zip(inputs, self._input_names)) if len(inputs) == len(self._input_names) else {}
+        static = _static_inputs(inputs)
+        cudagraphs = self.cudagraphs
+        not_cuda = cudagraphs and self.graph_recorder is None and not any(
+            isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+        if not_cuda:
+            cudagraphs = False
+        graph_fallbacks = FallbackCounter()  # this graph's share of self.fallbacks, in its report
+        record_fallback = self._fallback_recorder(graph_fallbacks)
+        if not_cuda:
+            record_fallback(fallback_reasons.CUDAGRAPHS_NOT_CUDA)
+        ctx = run_pipeline(PassContext(gm, self.options))
+        compiled = None
+        if not ctx.declined:
+            try:
+                compiled = self._compile_cut(ctx, static, cudagraphs, record_fallback)
+            except Exception as e:  # noqa: BLE001 - the pass never breaks a compile: counted, logged, unchanged
+                log.warning("compiling the cut regions failed; the graph is compiled unchanged", exc_info=True)
+                ctx.declined, ctx.failed = f"compiling the cut regions failed: {type(e).__name__}: {e}", True
+        if ctx.failed:
+            record_fallback(fallback_reasons.PASS_FAILED)
+        report = build_report(ctx, names, cudagraphs, graph_fallbacks)
+        self.reports.append(report)
+        if ctx.declined:
+            log.info("graph left unchanged: %s", report.reason)
+            return self._compile_unchanged(ctx.unchanged or gm, example_inputs, static, cudagraphs, record_fallback)
+        log.info("compiled a graph with %d attention layers\n%s", len(ctx.layers), report.summary())
+        return compiled
+
+    def _compile_cut(self, ctx: PassContext, static: set[Node], cudagraphs: bool,
+                     record_fallback: Callable[[str], None]) -> CompiledProgram:
+        """The two regions compiled and swapped into the split graph, the reduced one behind the gate."""
+        split, plan = ctx.split, ctx.plan
+        static_names = {ctx.copies[n].name for n in static}
+        calls = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
+        for name in (FULL, REDUCED):
+            region = getattr(split, name)
+            static_idxs = [i for i, a in enumerate(calls[name].args) if isinstance(a, Node) and a.name in static_names]
+            run = self._compile_region(region, static_idxs, cudagraphs, record_fallback)
+            if name == REDUCED and plan.suffix is None:
+                run = StepGate(run, region, plan.index.name, plan.rows, plan.reduced_rows, record_fallback)
+            swap_submodule(split, name, run)
+        return CompiledProgram(split, copy_outputs=cudagraphs)
+
+    def _compile_region(self, region: GraphModule, static_idxs: list[int], cudagraphs: bool,
+                        record_fallback: Callable[[str], None]) -> Callable[..., Any]:
+        if cudagraphs:
+            return PiecewiseRegion(region, self.compiler, static_idxs, record_fallback, self.graph_recorder)
+        single = not returns_tuple(region)
+        return as_submodule(compile_boxed(region, self.compiler, static_idxs), single)
+
+    def _compile_unchanged(self, gm: GraphModule, example_inputs: Sequence[Any], static: set[Node], cudagraphs: bool,
+                           record_fallback: Callable[[str], None]):
+        static_idxs = [i for i, n in enumerate(placeholders(gm)) if n in static]
+        if cudagraphs:
+            region = PiecewiseRegion(gm, self.compiler, static_idxs, record_fallback, self.graph_recorder)
+            region.copy_outputs = True  # the caller keeps them past the next call
+            return CompiledProgram(region)
+        if self.compiler == "eager":
+            return gm
+        return inductor(gm, example_inputs, static_idxs)
+
+    def _fallback_recorder(self, graph_fallbacks: FallbackCounter) -> Callable[[str], None]:
+        """Counts a fallback on the backend (which logs it) and on the graph's own counter (its report's)."""
+        def record(reason: str) -> None:
+            self.fallbacks.record(reason)
+            graph_fallbacks[reason] += 1
+        return record
+
+
+def backend(*, fast_prefill: bool = True, draft_layers: Iterable[str] = (), **options: Any) -> FastPrefillBackend:
+    """A configured backend for ``torch.compile(model, backend=fx_fastprefill.backend(...))``.
+
+    Options: ``compiler`` ("inductor" or "eager": run the cut regions without Inductor),
+    ``prompt_len`` (prompt length of the report's FLOPs estimate, default 2048), ``cudagraphs``
+    (piecewise CUDA graphs: the code between attention ops captured per size, on CUDA),
+    ``narrow_slices`` (default True; False skips passes/narrow_sliced_producers.py, to measure or
+    bisect it) and ``max_reports`` (reports kept, default 64).
+    """
+    known = ("compiler", "prompt_len", "cudagraphs", "narrow_slices", "max_reports")
+    unknown = set(options) - set(known)
+    if unknown:
+        raise TypeError(f"fx_fastprefill.backend() got unknown options {sorted(unknown)}; known: {', '.join(known)}")
+    return FastPrefillBackend(fast_prefill=fast_prefill, draft_layers=draft_layers, **options)
+
+
+default_backend = FastPrefillBackend()
+
+
+def fx_fastprefill_backend(gm: GraphModule, example_inputs: Sequence[Any]):
+    """Entry point for ``torch.compile(model, backend="fx_fastprefill")``; reports go to ``default_backend``."""
+    return default_backend(gm, example_inputs)

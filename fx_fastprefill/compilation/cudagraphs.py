@@ -1,0 +1,314 @@
+"""Piecewise CUDA graphs: a region split into pieces (passes/split_pieces.py), one
+:class:`CUDAGraphPiece` wrapper per compiled piece, the package's ops and the gathers run eagerly
+between them. Per distinct key of the region (the values of the size symbols its pieces' inputs
+have):
+
+- first call: every piece runs as compiled (warm-up: Triton kernels load, autotuning happens);
+- second call: every piece is recorded, in order, in one forward, then replayed at once;
+- later calls: every piece is replayed.
+
+Why every piece of a key records in the same forward: the pieces share one memory pool, and a
+recorded graph keeps only non-owning views of its outputs. A value stays alive until its last
+reader has run, so no piece's temporaries overlap a value a later piece still reads; a replay of
+the same key repeats that exact order, so it is safe too. Keys do not interleave inside one region
+(one key per call), so graphs of other keys, which reuse the same pool memory, never run while
+this key's values are live. The full and the reduced region have a pool each for the same reason:
+their keys (T and R) interleave within one step.
+
+Inputs a piece reads that no recorded piece of this forward produced (region inputs, outputs of
+eager ops) are copied into staging buffers before each replay; staging is shared by all pieces
+(slot ``i`` for a piece's ``i``-th input), sized by the largest key recorded first. Parameters
+are read in place; if one moves, the region's graphs are dropped and recorded again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import sympy
+import torch
+from torch import Tensor
+from torch.fx import GraphModule, Node
+
+from fx_fastprefill.passes.fx_utils import placeholders, size_sources
+from fx_fastprefill.passes.split_pieces import EAGER, GRAPH, split_pieces
+
+from . import fallbacks as reasons
+from .compile_graph import BoxedFn, compile_boxed, returns_tuple, swap_submodule
+
+log = logging.getLogger("fx_fastprefill")
+
+_WARMED, _RECORDED, _FAILED = "warmed", "recorded", "failed"
+PLAIN, RECORD, REPLAY = "plain", "record", "replay"
+
+
+def non_owning(t: Tensor) -> Tensor:
+    """A tensor over ``t``'s memory that does not keep it allocated (what a graph's output becomes
+    once its recording forward has ended: the graph, not the tensor, owns that memory)."""
+    storage = t.untyped_storage()
+    meta = {"nbytes": storage.nbytes(), "data_ptr": storage.data_ptr(), "size": t.shape, "stride": t.stride(),
+            "dtype": t.dtype, "device": t.device, "storage_offset": t.storage_offset()}
+    alias = torch._C._construct_storage_from_data_pointer(meta["data_ptr"], t.device, meta["nbytes"])
+    return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, alias)
+
+
+def non_owning_supported() -> bool:
+    """The installed torch can make non-owning CUDA views (a CPU-only build lacks the CUDA half,
+    and never records graphs: its inputs are not on a CUDA device)."""
+    has_cuda_half = hasattr(torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata") or not torch.backends.cuda.is_built()
+    return hasattr(torch._C, "_construct_storage_from_data_pointer") and has_cuda_half
+
+
+def _copy(t: Tensor) -> Tensor:
+    """A copy with ``t``'s strides (its readers were compiled for them), unless ``t`` overlaps itself."""
+    if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+        return t.clone()
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class Recorder(Protocol):
+    """How a piece is recorded and how its outputs are held: CUDA graphs, or a stand-in in tests."""
+
+    def capture(self, fn: BoxedFn, args: list, pool: Any) -> tuple[Any, list]: ...
+
+    def new_pool(self) -> Any: ...
+
+    def alias(self, t: Tensor) -> Tensor: ...
+
+
+class CUDAGraphRecorder:
+    """Records on a side stream (the default stream cannot record) into the region's pool."""
+
+    def __init__(self) -> None:
+        self.stream = None
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: BoxedFn, args: list, pool: Any) -> tuple[Any, list]:
+        """Record ``fn(args)``, then replay it: recording computes nothing, and this forward needs the values."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=pool)
+            try:
+                outputs = fn(list(args))
+            finally:
+                graph.capture_end()
+        current.wait_stream(self.stream)
+        graph.replay()
+        return graph, outputs
+
+    alias = staticmethod(non_owning)
+
+
+class StagingBuffers:
+    """Fixed-address buffers for a piece's copied inputs: slot ``i`` for every piece's ``i``-th
+    input. A slot grows by a new buffer; graphs recorded on the old one keep it alive."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, Tensor] = {}
+
+    def view(self, slot: int, like: Tensor) -> Tensor:
+        extent = 1 + sum((s - 1) * st for s, st in zip(like.shape, like.stride())) if like.numel() else 0
+        nbytes = max(extent, 1) * like.element_size()
+        buffer = self.slots.get(slot)
+        if buffer is None or buffer.numel() < nbytes or buffer.device != like.device:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+            self.slots[slot] = buffer
+        return buffer[:nbytes].view(like.dtype).as_strided(like.shape, like.stride())
+
+    def owns(self, t: Tensor) -> bool:
+        ptr = _storage(t)
+        return any(ptr == b.untyped_storage().data_ptr() for b in self.slots.values())
+
+
+@dataclass
+class _RecordedPiece:
+    graph: Any                          # torch.cuda.CUDAGraph (or a test's stand-in)
+    staged: list[tuple[int, Tensor]]    # (input position, its staging view), copied in before a replay
+    outputs: list[Any]                  # non-owning views of the graph's outputs (or non-tensors)
+    copy_out: list[int]                 # outputs that alias staging: copied out after a replay
+
+
+@dataclass
+class _RegionState:
+    """What the pieces of one region share: the mode and key of the current call, the pool, the
+    staging buffers, and the storages the recorded pieces of this forward produced."""
+    recorder: Recorder
+    mode: str = PLAIN
+    key: tuple = ()
+    pool: Any = None
+    staging: StagingBuffers = field(default_factory=StagingBuffers)
+    produced: set[int] = field(default_factory=set)
+    graphs: list = field(default_factory=list)  # every recorded graph, kept alive (pool bookkeeping)
+
+
+class CUDAGraphPiece:
+    """One compiled piece: run as compiled, recorded, or replayed, as its region's call decides."""
+
+    def __init__(self, fn: BoxedFn, static: list[bool], single: bool, state: _RegionState):
+        self.fn, self.static, self.single, self.state = fn, static, single, state
+        self.recorded: dict[tuple, _RecordedPiece] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        mode = self.state.mode
+        if mode == REPLAY:
+            outputs = self._replay(self.recorded[self.state.key], args)
+        elif mode == RECORD:
+            outputs = self._record(list(args))
+        else:
+            outputs = self.fn(list(args))
+        return outputs[0] if self.single else tuple(outputs)
+
+    def _record(self, args: list) -> list:
+        state = self.state
+        staged = []
+        for i, value in enumerate(args):
+            if isinstance(value, Tensor) and not self.static[i] and _storage(value) not in state.produced:
+                view = state.staging.view(i, value)
+                view.copy_(value)
+                staged.append((i, view))
+                args[i] = view
+        if state.pool is None:
+            state.pool = state.recorder.new_pool()
+        graph, outputs = state.recorder.capture(self.fn, args, state.pool)
+        state.graphs.append(graph)
+        copy_out = [j for j, o in enumerate(outputs) if isinstance(o, Tensor) and state.staging.owns(o)]
+        self.recorded[state.key] = _RecordedPiece(
+            graph, staged, [state.recorder.alias(o) if isinstance(o, Tensor) else o for o in outputs], copy_out)
+        outputs = [_copy(o) if j in copy_out else o for j, o in enumerate(outputs)]
+        # Owning until this forward ends; a copied-out value gets a new address each replay: its readers stage it.
+        state.produced.update(_storage(o) for j, o in enumerate(outputs) if isinstance(o, Tensor) and j not in copy_out)
+        return outputs
+
+    @staticmethod
+    def _replay(piece: _RecordedPiece, args: tuple) -> list:
+        for i, view in piece.staged:
+            value = args[i]
+            if value.data_ptr() != view.data_ptr():
+                view.copy_(value)
+        piece.graph.replay()
+        if not piece.copy_out:
+            return piece.outputs
+        return [_copy(o) if j in piece.copy_out else o for j, o in enumerate(piece.outputs)]
+
+
+class PiecewiseRegion:
+    """A region run piece by piece; decides per call whether its pieces warm up, record or replay.
+
+    ``static`` are the region inputs read in place (parameters, buffers); ``record_fallback`` counts
+    and logs each call that runs without graphs, with its reason. ``copy_outputs``: return copies,
+    not views of graph memory that the next call rewrites (for a region whose outputs leave the model).
+    """
+
+    def __init__(self, region: GraphModule, compiler: str, static_input_idxs: list[int],
+                 record_fallback: Callable[[str], None], recorder: Recorder | None = None):
+        inputs = placeholders(region)
+        self.split, infos = split_pieces(region)
+        self.state = _RegionState(recorder or CUDAGraphRecorder())
+        self.key_sizes = self._key_sizes(inputs, infos)
+        self.pieces: list[CUDAGraphPiece] = []
+        static_inputs = {inputs[i].name for i in static_input_idxs}
+        calls = {n.target: n for n in self.split.graph.nodes if n.op == "call_module"}
+        for info in infos:
+            if info.kind != GRAPH:
+                continue  # eager ops and views run as they are (their submodules' own code)
+            module = getattr(self.split, info.name)
+            static = [isinstance(a, Node) and (a.op == "get_attr" or a.name in static_inputs) for a in calls[info.name].args]
+            single = not returns_tuple(module)  # before compiling: Inductor's graph returns a tuple
+            piece = CUDAGraphPiece(compile_boxed(module, compiler, [i for i, s in enumerate(static) if s]), static,
+                                   single, self.state)
+            self.pieces.append(piece)
+            swap_submodule(self.split, info.name, piece)
+        for info in infos:
+            if info.kind != GRAPH:
+                swap_submodule(self.split, info.name, getattr(self.split, info.name).forward)
+        self.eager_pieces = sum(info.kind == EAGER for info in infos)
+        self.static_positions = sorted(static_input_idxs)
+        self.record_fallback = record_fallback
+        self.copy_outputs = False
+        self.keys: dict[tuple, str] = {}
+        self.static_ptrs: list[int] | None = None
+        self.failed = 0
+
+    def _key_sizes(self, inputs: list[Node], infos) -> list[tuple[int, int | None]]:
+        """Where to read the sizes that fix every recorded piece's input shapes: one (input, dim)
+        per size symbol those shapes use. The K/V read only by eager attention add no key."""
+        symbols: set[sympy.Symbol] = set()
+        for info in infos:
+            if info.kind != GRAPH:
+                continue
+            for node in placeholders(getattr(self.split, info.name)):
+                val = node.meta.get("val")
+                sizes = val.shape if isinstance(val, Tensor) else [val] if isinstance(val, torch.SymInt) else []
+                for size in sizes:
+                    if isinstance(size, torch.SymInt):
+                        symbols |= size.node.expr.free_symbols
+        sources = size_sources(inputs)
+        missing = symbols - set(sources)
+        if missing:
+            raise ValueError(f"sizes {sorted(map(str, missing))} of the region's pieces are not sizes of its inputs")
+        return [sources[s] for s in sorted(symbols, key=str)]
+
+    def _key(self, args: tuple) -> tuple:
+        return tuple(int(args[i]) if dim is None else args[i].shape[dim] for i, dim in self.key_sizes)
+
+    def __call__(self, *args: Any) -> Any:
+        key, seen = self._state(args)
+        state = self.state
+        state.key = key
+        if seen == _RECORDED:
+            state.mode = REPLAY
+        elif seen == _WARMED:
+            state.mode = RECORD
+            try:
+                out = self.split(*args)
+                self.keys[key] = _RECORDED
+                return self._output(out)
+            except Exception as e:  # noqa: BLE001 - counted and logged; this key runs without graphs
+                log.warning("recording the CUDA graphs of a region failed for sizes %s: %s", key, e, exc_info=not self.failed)
+                self.keys[key] = _FAILED
+                self.failed += 1
+                self.record_fallback(reasons.CUDAGRAPH_RECORD_FAILED)
+                state.mode = PLAIN
+            finally:
+                state.produced.clear()
+        else:
+            state.mode = PLAIN
+        return self._output(self.split(*args))
+
+    def _output(self, out: Any) -> Any:
+        if not self.copy_outputs:
+            return out
+        if isinstance(out, tuple):
+            return tuple(o.clone() if isinstance(o, Tensor) else o for o in out)
+        return out.clone() if isinstance(out, Tensor) else out
+
+    def _state(self, args: tuple) -> tuple[tuple, str | None]:
+        """This call's key and what was done for it before: nothing (None: warm up now), warmed
+        (record now), recorded (replay) or failed (run without graphs)."""
+        ptrs = [args[i].data_ptr() if isinstance(args[i], Tensor) else None for i in self.static_positions]
+        if self.static_ptrs is not None and ptrs != self.static_ptrs:
+            self.record_fallback(reasons.CUDAGRAPH_STATIC_INPUT_MOVED)
+            for piece in self.pieces:
+                piece.recorded.clear()  # their graphs stay alive in state.graphs
+            self.keys.clear()
+        self.static_ptrs = ptrs
+        key = self._key(args)
+        seen = self.keys.get(key)
+        if seen is None:
+            self.keys[key] = _WARMED
+            self.record_fallback(reasons.CUDAGRAPH_WARMUP)
+        elif seen == _FAILED:
+            self.record_fallback(reasons.CUDAGRAPH_RECORD_FAILED)
+        return key, seen

@@ -1,0 +1,173 @@
+"""The pass pipeline: the passes of ``passes/`` in order, over one :class:`PassContext`.
+
+Every pass has one signature, ``pass_(ctx) -> None``; it reads and writes the context (the graph,
+the plan, what the report will say) and declines a cut by raising :class:`Decline` with the reason.
+The pipeline is the one place that catches it: the graph is then compiled unchanged and the report
+says why. Each pass is timed (``ctx.seconds``); with ``FX_FASTPREFILL_DUMP_GRAPHS=DIR`` the graph
+after every pass that rewrites it is written to ``DIR`` (one file per graph and pass).
+
+Passes before ``copy_for_cut`` work on the graph that is compiled either way (linking the KV
+sources is part of every compile); the cut works on a copy, so a decline at any later point leaves
+nothing half-done. An unexpected error in a pass after the copy declines too, with the pass named
+and the traceback logged: the pass never breaks a compile. Errors in the model itself (a bad
+``kv_source``) are raised before the copy, as the user's errors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.fx import GraphModule, Node
+
+from fx_fastprefill.passes.attention_nodes import AttentionNode
+from fx_fastprefill.passes.cut_graph import CutError, cut_graph
+from fx_fastprefill.passes.eligible_layers import eligible_layers
+from fx_fastprefill.passes.flops import estimate_flops
+from fx_fastprefill.passes.gather_hoisting import HoistPlan, NoCut, analyze
+from fx_fastprefill.passes.link_kv_sources import link_kv_sources
+from fx_fastprefill.passes.narrow_sliced_producers import Narrowed, narrow_sliced_producers
+from fx_fastprefill.passes.split_regions import split_regions
+
+log = logging.getLogger("fx_fastprefill")
+
+DUMP_ENV = "FX_FASTPREFILL_DUMP_GRAPHS"
+NO_ATTENTION = "the graph has no attention the pass knows (fx_fastprefill.attention, or SDPA in a transformers model)"
+HOIST_STOPPED = "the hoist stopped before any attention layer"
+_graph_ids = itertools.count()
+
+
+class Decline(Exception):
+    """The pass leaves this graph uncut; the message is the report's reason."""
+
+
+@dataclass
+class PipelineOptions:
+    fast_prefill: bool = True
+    draft_layers: tuple[str, ...] = ()
+    narrow_slices: bool = True
+    prompt_len: int = 2048
+
+
+@dataclass
+class PassContext:
+    """What the passes share. ``gm`` is the graph being worked on; ``unchanged`` is what compiles
+    on a decline (the linked graph, before the cut's copy)."""
+    gm: GraphModule
+    options: PipelineOptions
+    unchanged: GraphModule | None = None
+    copies: dict[Node, Node] = field(default_factory=dict)  # unchanged graph's node -> its copy
+    layers: list[AttentionNode] = field(default_factory=list)
+    eligible: list[str] = field(default_factory=list)
+    plan: HoistPlan | None = None
+    narrowed: list[Narrowed] = field(default_factory=list)
+    flops_full: float = 0.0
+    flops_cut: float = 0.0
+    gathers: list[Node] = field(default_factory=list)
+    split: GraphModule | None = None  # the cut graph as calls of its full and reduced regions
+    declined: str = ""
+    failed: bool = False  # declined by an error in a pass (counted as a fallback), not by a rule
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+Pass = Callable[[PassContext], None]
+
+
+def link(ctx: PassContext) -> None:
+    ctx.layers = link_kv_sources(ctx.gm)
+    ctx.unchanged = ctx.gm
+
+
+def find_eligible(ctx: PassContext) -> None:
+    ctx.eligible = eligible_layers(ctx.layers, ctx.options.draft_layers, ctx.options.fast_prefill)
+
+
+def require_enabled(ctx: PassContext) -> None:
+    if not ctx.options.fast_prefill:
+        raise Decline("fast_prefill=False")
+
+
+def copy_for_cut(ctx: PassContext) -> None:
+    graph = torch.fx.Graph()
+    for node in ctx.gm.graph.nodes:
+        ctx.copies[node] = graph.node_copy(node, lambda n: ctx.copies[n])
+    ctx.gm = GraphModule(ctx.gm, graph)  # meta dicts are copied shallowly: fake values are shared
+
+
+def hoist(ctx: PassContext) -> None:
+    try:
+        ctx.plan = analyze(ctx.gm)
+    except NoCut as e:
+        raise Decline(f"{NO_ATTENTION}; {e}" if not ctx.layers else str(e)) from None
+    ctx.flops_full = estimate_flops(ctx.gm, ctx.plan.rows, ctx.plan.reduced_rows, ctx.options.prompt_len)
+
+
+def narrow(ctx: PassContext) -> None:
+    if not ctx.options.narrow_slices:
+        return
+    ctx.narrowed = narrow_sliced_producers(ctx.gm, ctx.plan)
+    if ctx.narrowed:
+        ctx.plan = analyze(ctx.gm)  # the reduced slices' producers can now join the reduced region
+
+
+def require_reduced_attention(ctx: PassContext) -> None:
+    if ctx.plan.reduced_attention:
+        return
+    # The report adds the first stop in the user's words (report/builder.py).
+    raise Decline(HOIST_STOPPED if ctx.layers else NO_ATTENTION)
+
+
+def cut(ctx: PassContext) -> None:
+    try:
+        ctx.gathers = cut_graph(ctx.gm, ctx.plan)
+    except CutError as e:
+        raise Decline(f"the cut could not be applied: {e}") from None
+
+
+def split(ctx: PassContext) -> None:
+    ctx.split = split_regions(ctx.gm)
+    ctx.flops_cut = estimate_flops(ctx.gm, ctx.plan.rows, ctx.plan.reduced_rows, ctx.options.prompt_len)
+
+
+PIPELINE: list[Pass] = [link, find_eligible, require_enabled, copy_for_cut, hoist, narrow,
+                        require_reduced_attention, cut, split]
+# Passes that rewrite the graph (dumped with FX_FASTPREFILL_DUMP_GRAPHS).
+REWRITES = {link, narrow, cut}
+
+
+def run_pipeline(ctx: PassContext, passes: list[Pass] = PIPELINE) -> PassContext:
+    """Run ``passes`` in order; a :class:`Decline` (or an error after ``copy_for_cut``) stops them
+    and sets ``ctx.declined``."""
+    dump = os.environ.get(DUMP_ENV)
+    graph_id = next(_graph_ids)
+    copied = False
+    for k, pass_ in enumerate(passes):
+        name = pass_.__name__
+        start = time.perf_counter()
+        try:
+            pass_(ctx)
+        except Decline as e:
+            ctx.declined = str(e)
+        except Exception as e:
+            if not copied:
+                raise
+            log.warning("pass %s failed; the graph is compiled unchanged", name, exc_info=True)
+            ctx.declined, ctx.failed = f"internal error in pass {name}: {type(e).__name__}: {e}", True
+        finally:
+            ctx.seconds[name] = time.perf_counter() - start
+        copied = copied or pass_ is copy_for_cut
+        if ctx.declined:
+            log.debug("pass %s declined the cut: %s", name, ctx.declined)
+            break
+        if dump and pass_ in REWRITES:
+            path = Path(dump) / f"graph{graph_id}_{k:02d}_{name}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(ctx.gm.print_readable(print_output=False))
+    log.debug("pass times (ms): %s", {n: round(1000 * s, 2) for n, s in ctx.seconds.items()})
+    return ctx

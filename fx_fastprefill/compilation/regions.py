@@ -1,0 +1,120 @@
+"""The callable a cut graph compiles to: its two regions, compiled, behind the per-step gate.
+
+``passes/split_regions.py`` makes the cut graph a GraphModule that calls a ``full`` and a
+``reduced`` submodule; here each is replaced by its compiled callable (one Inductor graph, or a
+:class:`PiecewiseRegion` with CUDA graphs), the reduced one behind a :class:`StepGate`.
+
+Per step, the gate (the reference's per-step helper, made explicit):
+- R == 0 (no request reaches a logits row): the reduced region is skipped; its outputs are empty.
+- no step metadata, a pure decode batch, or padded R >= T: the full-rows path runs the reduced
+  region on all T rows (``logits_indices = arange(T)``) and selects the logits rows at the end,
+  which computes exactly what the model without the pass computes. Each is counted and logged with
+  its reason.
+- otherwise the reduced region gathers the boundary tensors and runs on R rows.
+
+A suffix selection (transformers' ``logits_to_keep``: the last k rows of every sequence) needs no
+per-step metadata and has no gate: every call gathers and runs the reduced region.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import sympy
+import torch
+from torch.fx import GraphModule, Node
+
+from fx_fastprefill.passes.fx_utils import output_args, placeholders, size_sources
+
+from ..runtime.step_context import current_step
+from . import fallbacks as reasons
+
+
+class StepGate:
+    """The reduced region behind the per-step decision; called as the ``reduced`` submodule."""
+
+    def __init__(self, run: Callable[..., Any], region: GraphModule, index: str, rows: sympy.Symbol,
+                 reduced_rows: sympy.Expr, record_fallback: Callable[[str], None]):
+        self.run = run
+        self._record = record_fallback  # counts (and logs) a step that leaves the fast path
+        inputs = placeholders(region)
+        self.index_position = next(i for i, n in enumerate(inputs) if n.name == index)
+        self.sources = size_sources(inputs)
+        if rows not in self.sources:
+            raise ValueError("the token count is not the size of any input of the reduced region")
+        self.rows, self.reduced_rows = rows, reduced_rows
+        outputs = output_args(region)
+        self.single = not isinstance(outputs, (tuple, list))
+        self.outputs: list[Node] = [outputs] if self.single else list(outputs)
+        self.row_axes = [self._row_axis(node) for node in self.outputs]
+
+    def _row_axis(self, node: Node) -> int:
+        """The dim of a reduced-region output that holds the logits rows."""
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise ValueError(f"reduced-region output {node.name} is not a tensor")
+        found = [d for d, s in enumerate(val.shape)
+                 if isinstance(s, torch.SymInt) and self.reduced_rows in s.node.expr.free_symbols]
+        if len(found) != 1 or val.shape[found[0]].node.expr != self.reduced_rows:
+            raise ValueError(f"reduced-region output {node.name} has shape {tuple(val.shape)}: its logits rows are not one plain dim")
+        return found[0]
+
+    def _size(self, symbol: sympy.Symbol, args: tuple) -> int:
+        i, dim = self.sources[symbol]
+        return int(args[i]) if dim is None else args[i].shape[dim]
+
+    def __call__(self, *args: Any) -> Any:
+        index = args[self.index_position]
+        num_tokens = self._size(self.rows, args)
+        step = current_step()
+        if index.shape[0] == 0 or (step is not None and step.num_logits == 0):
+            # Padded rows of an R == 0 step are never read: the outputs keep their padded size.
+            self._record(reasons.NO_LOGITS_ROWS)
+            return self._pack([self._empty(node, args, index) for node in self.outputs])
+        reason = None
+        if step is None:
+            reason = reasons.NO_STEP_METADATA
+        elif not step.has_prefill:
+            reason = reasons.PURE_DECODE
+        elif index.shape[0] >= num_tokens:
+            reason = reasons.NOT_SMALLER
+        if reason is None:
+            return self.run(*args)
+        self._record(reason)
+        # Every row through the same gathers keeps the memory layout the region was compiled for.
+        full_rows = list(args)
+        full_rows[self.index_position] = torch.arange(num_tokens, device=index.device, dtype=index.dtype)
+        out = self.run(*full_rows)
+        outputs = [out] if self.single else list(out)
+        return self._pack([o.index_select(axis, index) for o, axis in zip(outputs, self.row_axes)])
+
+    def _pack(self, outputs: list) -> Any:
+        return outputs[0] if self.single else tuple(outputs)
+
+    def _empty(self, node: Node, args: tuple, index: torch.Tensor) -> torch.Tensor:
+        val = node.meta["val"]
+        values = {symbol: self._size(symbol, args) for symbol in self.sources}
+        values[self.reduced_rows] = index.shape[0]
+        shape = [int(s.node.expr.subs(values)) if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
+        return torch.empty(shape, dtype=val.dtype, device=index.device)
+
+
+class CompiledProgram:
+    """The backend's compiled callable (boxed): the split graph with its regions swapped in.
+
+    ``copy_outputs``: with CUDA graphs, outputs are views of memory the next call rewrites."""
+
+    _boxed_call = True
+
+    def __init__(self, split: GraphModule, copy_outputs: bool = False):
+        self.split = split
+        self.copy_outputs = copy_outputs
+
+    def __call__(self, args: list) -> list:
+        inputs = tuple(args)
+        args.clear()  # boxed calling convention: the caller's list no longer holds the inputs
+        outputs = self.split(*inputs)
+        outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        if self.copy_outputs:
+            outputs = [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs]
+        return outputs

@@ -1,0 +1,1 @@
+"""Attention kernels: the float32 reference, FlashAttention varlen packing, split-KV (Triton)."""

@@ -1,0 +1,125 @@
+"""Small FX helpers shared by the passes, the region executor and the report.
+
+Invariants: reads only; nothing here changes a graph.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import sympy
+import torch
+from torch.fx import GraphModule, Node
+
+# What an open-ended slice (``x[a:]``) traces to as its end.
+SLICE_END = 2**62
+
+
+def slice_args(node: Node) -> tuple[int, object, object, object]:
+    """``(dim, start, end, step)`` of an ``aten.slice.Tensor`` call, defaults filled in."""
+    args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
+    return args[1], args[2], args[3], args[4]
+
+
+def is_open_end(end: object) -> bool:
+    """A slice end that means 'to the end' whatever the size (None, or the traced huge int)."""
+    return end is None or (isinstance(end, int) and end >= SLICE_END)
+
+
+def reaches_end(end: object, size: sympy.Expr | None = None) -> bool:
+    """Whether a slice end reaches the end of a dim of ``size`` (open ends always do)."""
+    if is_open_end(end):
+        return True
+    if size is None:
+        return False
+    value = end.meta.get("val") if isinstance(end, Node) else end
+    expr = value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value) if isinstance(value, int) else None
+    return expr is not None and sympy.simplify(expr - size) == 0
+
+
+def is_whole_slice(node: Node) -> bool:
+    """``x[:, :]``-style: a unit-step slice from 0 to the open end (every index)."""
+    _, start, end, step = slice_args(node)
+    return start in (None, 0) and step in (None, 1) and is_open_end(end)
+
+
+def downstream(nodes: Iterable[Node]) -> set[Node]:
+    """``nodes`` and every node that reads them, transitively (the output node excluded)."""
+    seen, stack = set(), list(nodes)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(u for u in node.users if u.op != "output")
+    return seen
+
+
+def size_sources(placeholders: list[Node]) -> dict[sympy.Symbol, tuple[int, int | None]]:
+    """Where each plain size symbol can be read at run time: (input position, dim), or
+    (position, None) for a SymInt input. The first input that has it wins."""
+    sources: dict[sympy.Symbol, tuple[int, int | None]] = {}
+    for i, node in enumerate(placeholders):
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) and isinstance(val.node.expr, sympy.Symbol):
+            sources.setdefault(val.node.expr, (i, None))
+        elif isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    sources.setdefault(size.node.expr, (i, d))
+    return sources
+
+
+def placeholders(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def output_args(gm: GraphModule):
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+
+
+def op_name(target: object) -> str:
+    """``aten.mm``, ``aten.squeeze.dim``, ``fx_fastprefill.attention``; plain names for Python callables."""
+    if isinstance(target, torch._ops.OpOverload):
+        name = target._schema.name.replace("::", ".")
+        overload = target._overloadname
+        return name + ("" if overload == "default" else f".{overload}")
+    return getattr(target, "__name__", str(target))
+
+
+def module_path(stack_key: str) -> str:
+    """A Dynamo module path as the user spells it in ``named_modules()``:
+    ``L['self'].model.layers[7].self_attn`` -> ``model.layers.7.self_attn``."""
+    name = re.sub(r"^L\['[^']*'\]\.?", "", stack_key).replace("L__self___", "")
+    name = re.sub(r"\._modules\['([^']+)'\]", r".\1", name)
+    name = re.sub(r"\[(\d+)\]", r".\1", name)
+    return name.strip(".")
+
+
+def input_name(placeholder_name: str) -> str:
+    """A Dynamo graph input's name as a module path: ``L_self_modules_embed_parameters_weight_`` ->
+    ``embed.weight``, ``L_input_ids_`` -> ``input_ids``."""
+    name = re.sub(r"^[lL]_(self_)?", "", placeholder_name).rstrip("_")
+    name = re.sub(r"_(modules|parameters|buffers)_", ".", "_" + name).lstrip("_").lstrip(".")
+    return re.sub(r"^(modules|parameters|buffers)_", "", name)
+
+
+def innermost_module(node: Node) -> str:
+    """The user-facing path of the innermost module a node was traced in ("" when none)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    key = list(stack.values())[-1][0]
+    return module_path(key) if key else ""
+
+
+def size_names(rows: sympy.Symbol | None, reduced_rows: sympy.Expr | None) -> dict:
+    """The printable names of the row counts: T for the tokens, R for the logits rows (a static
+    suffix's R is a number already)."""
+    names = {}
+    if rows is not None:
+        names[rows] = "T"
+    if isinstance(reduced_rows, sympy.Symbol):
+        names[reduced_rows] = "R"
+    return names

@@ -104,7 +104,10 @@ def main() -> None:
     inputs = {shape: torch.randint(3, cfg.vocab_size, shape, device=device, generator=generator) for shape in shapes}
     with torch.no_grad():  # float32 eager logits: the reference every bf16 variant is compared with
         set_hand_slicing(model, False)
-        fp32 = {shape: model(input_ids=ids, logits_to_keep=1, use_cache=False).logits.float() for shape, ids in inputs.items()}
+        fp32 = {
+            shape: model(input_ids=ids, logits_to_keep=1, use_cache=False).logits.float()
+            for shape, ids in inputs.items()
+        }
     model.to(torch.bfloat16)
     records = []
     # Shape by shape, each variant compiled afresh (static shapes for torch.compile's default, its best
@@ -152,7 +155,7 @@ def main() -> None:
             records.append(record)
             with open(args.out, "w") as f:  # after every record: a run cut short keeps what it measured
                 json.dump(records, f, indent=1)
-            del forward
+            forward = None  # free the compiled model before the next variant
             if cuda:
                 torch.cuda.empty_cache()
     with open(args.out, "w") as f:

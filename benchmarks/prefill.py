@@ -135,7 +135,9 @@ def main() -> None:
                         torch.cuda.synchronize()
                         torch.cuda.reset_peak_memory_stats()
                     record["first_call_s"] = time.perf_counter() - start
-                    record["includes_compile"] = first and variant != "eager" and not variant.startswith("ffp_cudagraph")
+                    record["includes_compile"] = (
+                        first and variant != "eager" and not variant.startswith("ffp_cudagraph")
+                    )
                     first = False
                     times = repeat_ms(lambda: prefill_once(runner, tokens), args.runs, warmup=1, cuda=cuda)
                     record.update(median_ms=statistics.median(times), times_ms=times)
@@ -164,7 +166,7 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in record.items() if k != "times_ms"}), flush=True)
                 records.append(record)
                 save()
-            del runner
+            runner = None  # free the model and its graphs before the next variant
             print(f"# {model_name} {variant}: {time.perf_counter() - variant_start:.0f} s", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -105,32 +105,62 @@ def main() -> None:
                 ref = reference(q[rows], k[T - seq_len:], v[T - seq_len:], rows - (T - seq_len), seq_len, window)
                 checks[f"full {tag}"] = (out[rows].float() - ref).abs().max().item()
                 sub = flash_varlen(q[last], k, v, cu_r, cu, 1, seq_len, window)
-                ref = reference(q[last[-1:]], k[T - seq_len:], v[T - seq_len:], torch.tensor([seq_len - 1], device=dev), seq_len, window)
+                ref = reference(
+                    q[last[-1:]],
+                    k[T - seq_len :],
+                    v[T - seq_len :],
+                    torch.tensor([seq_len - 1], device=dev),
+                    seq_len,
+                    window,
+                )
                 checks[f"query_subset {tag}"] = (sub[-1:].float() - ref).abs().max().item()
                 timings.append({"shape": shape, "window": window, "form": "flash_varlen_gqa",
                                 "ms": timed_ms(lambda: flash_varlen(q, k, v, cu, cu, seq_len, seq_len, window))})
                 kr, vr = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
                 timings.append({"shape": shape, "window": window, "form": "flash_varlen_repeated_kv",
                                 "ms": timed_ms(lambda: flash_varlen(q, kr, vr, cu, cu, seq_len, seq_len, window))})
-                timings.append({"shape": shape, "window": window, "form": "repeat_kv_alone",
-                                "ms": timed_ms(lambda: (k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)))})
+                timings.append(
+                    {
+                        "shape": shape,
+                        "window": window,
+                        "form": "repeat_kv_alone",
+                        "ms": timed_ms(lambda: (k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1))),
+                    }
+                )
                 timings.append({"shape": shape, "window": window, "form": "query_subset_R=seqs",
                                 "ms": timed_ms(lambda: flash_varlen(q[last], k, v, cu_r, cu, 1, seq_len, window))})
                 if HAS_TRITON:
                     starts, lens = cu[:-1].clone(), torch.full((seqs,), seq_len, device=dev, dtype=torch.int32)
                     pos = lens - 1
                     split = split_kv_attention(q[last], k, v, starts, lens, pos, 1 / math.sqrt(D), window, seq_len)
-                    ref = reference(q[last[-1:]], k[T - seq_len:], v[T - seq_len:], torch.tensor([seq_len - 1], device=dev), seq_len, window)
+                    ref = reference(
+                        q[last[-1:]],
+                        k[T - seq_len :],
+                        v[T - seq_len :],
+                        torch.tensor([seq_len - 1], device=dev),
+                        seq_len,
+                        window,
+                    )
                     checks[f"split_kv {tag}"] = (split[-1:].float() - ref).abs().max().item()
-                    timings.append({"shape": shape, "window": window, "form": "split_kv_R=seqs",
-                                    "ms": timed_ms(lambda: split_kv_attention(q[last], k, v, starts, lens, pos, 1 / math.sqrt(D), window, seq_len))})
+                    timings.append(
+                        {
+                            "shape": shape,
+                            "window": window,
+                            "form": "split_kv_R=seqs",
+                            "ms": timed_ms(
+                                lambda: split_kv_attention(
+                                    q[last], k, v, starts, lens, pos, 1 / math.sqrt(D), window, seq_len
+                                )
+                            ),
+                        }
+                    )
                 if window is None and seqs == 1:
                     qb, kb, vb = (x.transpose(0, 1)[None] for x in (q, kr, vr))
                     timings.append({"shape": shape, "window": None, "form": "sdpa_dense_causal",
                                     "ms": timed_ms(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True))})
             except Exception:  # noqa: BLE001 - recorded, the probe goes on
                 checks[tag] = traceback.format_exc(limit=3)
-        del q, k, v
+        q = k = v = None  # free before the next shape
     result["max_abs_error_vs_fp32"] = checks
     result["timings"] = timings
     with open(args.out, "w") as f:

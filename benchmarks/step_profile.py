@@ -111,7 +111,7 @@ def main() -> None:
             records.append({**record, "top_host_ops": table})
             with open(args.out, "w") as f:
                 json.dump(records, f, indent=1)
-        del runner
+        runner = None  # free the model and its graphs before the next variant
         torch.cuda.empty_cache()
 
 

@@ -23,7 +23,9 @@ def load(paths: list[str]) -> list[dict]:
         for record in json.loads(Path(path).read_text()):
             if "error" in record:
                 last = record["error"].strip().splitlines()[-1]
-                print(f"{Path(path).name}: {record.get('model')} {record.get('variant')} failed: {last}", file=sys.stderr)
+                print(
+                    f"{Path(path).name}: {record.get('model')} {record.get('variant')} failed: {last}", file=sys.stderr
+                )
                 continue
             records.append({**record, "file": Path(path).name})
     return records
@@ -67,19 +69,37 @@ def targets(rows: list[dict]) -> str:
                 of_ideal = r["speedup"] / r["ideal_speedup"]
                 lines.append(f"| {model} | {shape}: speedup >= 0.95 x ideal {r['ideal_speedup']:.2f} | "
                              f"{r['speedup']:.2f}x = {of_ideal:.3f} of ideal | {'yes' if of_ideal >= 0.95 else 'no'} |")
-        worst = max(((get[(model, s, "ffp_cudagraph")]["median_ms"] / get[(model, s, "hand_split")]["median_ms"], s)
-                     for m, s, v in get if m == model and v == "hand_split" and (model, s, "ffp_cudagraph") in get), default=None)
+        worst = max(
+            (
+                (get[(model, s, "ffp_cudagraph")]["median_ms"] / get[(model, s, "hand_split")]["median_ms"], s)
+                for m, s, v in get
+                if m == model and v == "hand_split" and (model, s, "ffp_cudagraph") in get
+            ),
+            default=None,
+        )
         if worst:
-            lines.append(f"| {model} | never > 1.03 x hand_split | worst {worst[0]:.3f} ({worst[1]}) | {'yes' if worst[0] <= 1.03 else 'no'} |")
-        decode = [(get[(model, s, "ffp_cudagraph")]["median_ms"] / get[(model, s, "inductor")]["median_ms"], s)
-                  for m, s, v in get if m == model and v == "inductor" and s.startswith("decode") and (model, s, "ffp_cudagraph") in get]
+            lines.append(
+                f"| {model} | never > 1.03 x hand_split | worst {worst[0]:.3f} ({worst[1]}) | "
+                f"{'yes' if worst[0] <= 1.03 else 'no'} |"
+            )
+        decode = [
+            (get[(model, s, "ffp_cudagraph")]["median_ms"] / get[(model, s, "inductor")]["median_ms"], s)
+            for m, s, v in get
+            if m == model and v == "inductor" and s.startswith("decode") and (model, s, "ffp_cudagraph") in get
+        ]
         if decode:
             ratio, shape = max(decode)
-            lines.append(f"| {model} | decode with the backend <= 1.02 x without | worst {ratio:.3f} ({shape}) | {'yes' if ratio <= 1.02 else 'no'} |")
+            lines.append(
+                f"| {model} | decode with the backend <= 1.02 x without | worst {ratio:.3f} ({shape}) | "
+                f"{'yes' if ratio <= 1.02 else 'no'} |"
+            )
         ours, theirs = compile_s(rows, model, "ffp_cudagraph"), compile_s(rows, model, "inductor")
         if ours is not None and theirs:
-            lines.append(f"| {model} | compile + capture <= 1.5 x inductor's | {ours:.0f} s vs {theirs:.0f} s = {ours / theirs:.2f}x | "
-                         f"{'yes' if ours <= 1.5 * theirs else 'no'} |")
+            lines.append(
+                f"| {model} | compile + capture <= 1.5 x inductor's | {ours:.0f} s vs {theirs:.0f} s = "
+                f"{ours / theirs:.2f}x | "
+                f"{'yes' if ours <= 1.5 * theirs else 'no'} |"
+            )
     return "\n".join(lines)
 
 
@@ -89,12 +109,17 @@ def markdown(rows: list[dict], baseline: str) -> str:
     for r in rows:
         shape = shape_label(r)
         if "median_ms" not in r:
-            lines.append(f"| {r['model']} | {shape} | {r['variant']} | {r.get('error', 'not run').splitlines()[-1][:60]} | | | | |")
+            lines.append(
+                f"| {r['model']} | {shape} | {r['variant']} | {r.get('error', 'not run').splitlines()[-1][:60]} | | "
+                "| | |"
+            )
             continue
         speedup = r["speedup"]
         shown = "" if speedup is None else f"{speedup:.2f}x"
         decode = r.get("phase") == "decode"  # no rows to drop: the ideal does not apply
-        of_ideal = "" if speedup is None or r["variant"] == baseline or decode else f"{speedup / r['ideal_speedup']:.2f}"
+        of_ideal = (
+            "" if speedup is None or r["variant"] == baseline or decode else f"{speedup / r['ideal_speedup']:.2f}"
+        )
         ideal = "" if decode else f"{r['ideal_speedup']:.2f}x"
         lines.append(f"| {r['model']} | {shape} | {r['variant']} | {r['median_ms']:.1f} | {shown} | "
                      f"{ideal} | {of_ideal} | {r.get('first_call_s', 0):.0f} |")

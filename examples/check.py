@@ -24,7 +24,9 @@ def main(model_cls, presets: dict, doc: str) -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(5, 40), metavar=("MIN", "MAX"))
     parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument("--max-num-tokens", type=int, default=32, help="token budget of one step (longer prompts are chunked)")
+    parser.add_argument(
+        "--max-num-tokens", type=int, default=32, help="token budget of one step (longer prompts are chunked)"
+    )
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "eager"])
     parser.add_argument("--cudagraphs", action="store_true",
                         help="piecewise CUDA graphs (on CUDA): every step size is recorded before the first step")
@@ -41,7 +43,9 @@ def main(model_cls, presets: dict, doc: str) -> None:
     start = time.perf_counter()
     ref_logits = reference.prefill(prompts)
     ref_tokens = reference.generate(prompts, args.new_tokens)
-    backend = fx_fastprefill.backend(compiler=args.compiler, prompt_len=max(map(len, prompts)), cudagraphs=args.cudagraphs)
+    backend = fx_fastprefill.backend(
+        compiler=args.compiler, prompt_len=max(map(len, prompts)), cudagraphs=args.cudagraphs
+    )
     fast = fx_fastprefill.Runner(model, backend=backend, **common)
     if args.cudagraphs:
         fast.capture()
@@ -54,7 +58,10 @@ def main(model_cls, presets: dict, doc: str) -> None:
     print(fast.report.summary())
     error = ((logits.float() - ref_logits.float()).abs().max() / ref_logits.float().abs().max()).item()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    print(f"\nlast-token logits vs the same model without the pass: max relative error {error:.2e} (tolerance {tolerance:g})")
+    print(
+        f"\nlast-token logits vs the same model without the pass: max relative error {error:.2e} (tolerance "
+        f"{tolerance:g})"
+    )
     print(f"greedy tokens identical: {tokens == ref_tokens}")
     print(f"compiled graphs: {len(backend.reports)}; fallbacks: {dict(fast.fallbacks) or 'none'}; {elapsed:.1f} s")
     if error > tolerance or tokens != ref_tokens:

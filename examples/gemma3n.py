@@ -112,12 +112,18 @@ class Gemma3nLike(nn.Module):
     def forward(self, input_ids, positions, logits_indices):
         cfg = self.cfg
         h = self.embed(input_ids) * cfg.dim ** 0.5
-        per_layer = (self.per_layer_embed(input_ids) + self.per_layer_from_hidden(h)).view(-1, cfg.n_layers, cfg.per_layer_dim)
+        per_layer = (self.per_layer_embed(input_ids) + self.per_layer_from_hidden(h)).view(
+            -1, cfg.n_layers, cfg.per_layer_dim
+        )
         streams = torch.cat([h[None], self.stream_up(h).view(-1, cfg.num_streams - 1, cfg.dim).transpose(0, 1)])
         rows = None
         for i, layer in enumerate(self.layers):
             if self.hand_split and i == self.first_shared:
-                streams, per_layer, positions = streams[:, logits_indices], per_layer[logits_indices], positions[logits_indices]
+                streams, per_layer, positions = (
+                    streams[:, logits_indices],
+                    per_layer[logits_indices],
+                    positions[logits_indices],
+                )
                 rows = logits_indices
             streams = layer(streams, per_layer[:, i], positions, rows)
         h = streams.mean(0) if rows is not None else streams.mean(0)[logits_indices]

@@ -43,7 +43,9 @@ def check_prefill(model: nn.Module, forward: Callable, ids: torch.Tensor, mask: 
 
 
 @torch.no_grad()
-def greedy(model: nn.Module, forward: Callable | None, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def greedy(
+    model: nn.Module, forward: Callable | None, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int
+) -> torch.Tensor:
     """Greedy generation with the model's own cache; ``forward`` replaces the model's forward while it runs."""
     original = model.forward
     if forward is not None:
@@ -73,11 +75,16 @@ def main(build: Callable[[], nn.Module], doc: str) -> None:
         errors[name] = check_prefill(model, forward, ids, mask)
     prefill_report = backend.reports[-1]
     ids, mask = left_padded_batch([11, 7], vocab, pad_id=0, seed=1)
-    same_tokens = torch.equal(greedy(model, None, ids, mask, args.new_tokens), greedy(model, forward, ids, mask, args.new_tokens))
+    same_tokens = torch.equal(
+        greedy(model, None, ids, mask, args.new_tokens), greedy(model, forward, ids, mask, args.new_tokens)
+    )
     elapsed = time.perf_counter() - start
 
-    print(f"{type(model).__name__}: {model.config.num_hidden_layers if hasattr(model.config, 'num_hidden_layers') else ''} layers, "
-          f"random weights, float32 on the CPU\n")
+    print(
+        f"{type(model).__name__}: "
+        f"{model.config.num_hidden_layers if hasattr(model.config, 'num_hidden_layers') else ''} layers, "
+        f"random weights, float32 on the CPU\n"
+    )
     print(prefill_report.explain())
     print()
     for name, error in errors.items():

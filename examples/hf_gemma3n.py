@@ -35,8 +35,12 @@ def tiny(**overrides):
 
 
 # The smallest config with both layer types on each side of the sharing boundary (for the tests).
-SMALLEST = dict(num_hidden_layers=5, num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * 5,
-                layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+SMALLEST = dict(
+    num_hidden_layers=5,
+    num_kv_shared_layers=2,
+    activation_sparsity_pattern=[0.0] * 5,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+)
 
 
 def shared_layers(cfg) -> list[str]:

@@ -31,7 +31,12 @@ def without_hand_slicing(model):
     """Switch off transformers' own slicing of the KV-shared layers' inputs (where it has one)."""
     inner = model.model
     if hasattr(inner, "_maybe_slice_kv_shared_inputs"):
-        inner._maybe_slice_kv_shared_inputs = lambda hidden, per_layer, pos, masks, *args, **kwargs: (hidden, per_layer, pos, masks)
+        inner._maybe_slice_kv_shared_inputs = lambda hidden, per_layer, pos, masks, *args, **kwargs: (
+            hidden,
+            per_layer,
+            pos,
+            masks,
+        )
     return model
 
 
@@ -43,8 +48,11 @@ def tiny(hand_slicing: bool = False, **overrides):
 
 
 # The smallest config with both layer types on each side of the sharing boundary (for the tests).
-SMALLEST = dict(num_hidden_layers=5, num_kv_shared_layers=2,
-                layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+SMALLEST = dict(
+    num_hidden_layers=5,
+    num_kv_shared_layers=2,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+)
 
 
 def shared_layers(cfg) -> list[str]:

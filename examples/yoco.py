@@ -51,7 +51,9 @@ class SelfLayer(nn.Module):
 
     def forward(self, x, positions):
         c = self.cfg
-        q, k, v = self.qkv(self.norm1(x)).split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
+        q, k, v = self.qkv(self.norm1(x)).split(
+            [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1
+        )
         q = rope(q.view(-1, c.n_heads, c.head_dim), positions)
         k = rope(k.view(-1, c.n_kv_heads, c.head_dim), positions)
         out = fx_fastprefill.attention(q, k, v.view(-1, c.n_kv_heads, c.head_dim), layer=self.name,

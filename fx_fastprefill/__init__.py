@@ -16,8 +16,12 @@ def _import_checkout_passes() -> None:
         return
     init = here.parent / "passes" / "__init__.py"
     if not init.is_file():
-        raise ImportError(f"fx_fastprefill.passes not found: neither {here / 'passes'} (installed) nor {init} (checkout)")
-    spec = importlib.util.spec_from_file_location("fx_fastprefill.passes", init, submodule_search_locations=[str(init.parent)])
+        raise ImportError(
+            f"fx_fastprefill.passes not found: neither {here / 'passes'} (installed) nor {init} (checkout)"
+        )
+    spec = importlib.util.spec_from_file_location(
+        "fx_fastprefill.passes", init, submodule_search_locations=[str(init.parent)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["fx_fastprefill.passes"] = module
     spec.loader.exec_module(module)
@@ -26,28 +30,30 @@ def _import_checkout_passes() -> None:
 _import_checkout_passes()
 
 from .compilation.logs import configure_logging as _configure_logging  # noqa: E402
+from .ops import schema as _schema  # noqa: E402,F401  (defines the package's ops)
 
 _configure_logging()
 
-from .ops import sdpa as _sdpa  # noqa: E402,F401  (the sdpa op's kernels)
-from .ops.attention import attention  # noqa: E402
-from .runtime.batch import SeqChunk  # noqa: E402
-from .runtime.kv_cache import KVCache  # noqa: E402
-from .runtime.runner import Runner  # noqa: E402
-from .runtime.step_context import StepMetadata, current_step, step_context  # noqa: E402
-
-__all__ = [
-    "attention", "backend", "Runner", "SeqChunk", "KVCache", "StepMetadata", "step_context", "current_step",
-    "FastPrefillReport",
-]
+# The public names, each loaded on first use: importing the passes (or this package) loads no
+# kernel, Triton or Inductor.
+_EXPORTS = {
+    "attention": "fx_fastprefill.ops.attention",
+    "backend": "fx_fastprefill.compilation.backend",
+    "Runner": "fx_fastprefill.runtime.runner",
+    "SeqChunk": "fx_fastprefill.runtime.batch",
+    "KVCache": "fx_fastprefill.runtime.kv_cache",
+    "StepMetadata": "fx_fastprefill.runtime.step_context",
+    "step_context": "fx_fastprefill.runtime.step_context",
+    "current_step": "fx_fastprefill.runtime.step_context",
+    "FastPrefillReport": "fx_fastprefill.report.report",
+}
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
-    # The backend imports Inductor: loaded on first use, not with the package.
-    if name == "backend":
-        from .compilation.backend import backend
-        return backend
-    if name == "FastPrefillReport":
-        from .report.report import FastPrefillReport
-        return FastPrefillReport
-    raise AttributeError(f"module 'fx_fastprefill' has no attribute {name!r}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'fx_fastprefill' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -34,7 +34,9 @@ def reaches_end(end: object, size: sympy.Expr | None = None) -> bool:
     if size is None:
         return False
     value = end.meta.get("val") if isinstance(end, Node) else end
-    expr = value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value) if isinstance(value, int) else None
+    expr = (
+        value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value) if isinstance(value, int) else None
+    )
     return expr is not None and sympy.simplify(expr - size) == 0
 
 

@@ -124,7 +124,8 @@ def find_seeds(gm: GraphModule) -> tuple[list[tuple[Node, Layout]], Node, sympy.
     if rows == reduced:
         raise NoCut(
             "the token count and the logits-row count share one size symbol (they were equal when traced, and duck "
-            "shaping merged them): trace through fx_fastprefill.Runner, or with torch.fx.experimental._config.use_duck_shape=False"
+            "shaping merged them): trace through fx_fastprefill.Runner, or with "
+            "torch.fx.experimental._config.use_duck_shape=False"
         )
     if any(c[3] != rows for c in chosen):
         raise NoCut("the model gathers rows of tensors with different token counts by the same index")
@@ -212,7 +213,9 @@ def analyze(gm: GraphModule) -> HoistPlan:
         elif len(layouts) > 1:
             reason = "needed with rows on two different dims"
         elif node.target is SDPA_OP and plan.suffix is None:
-            reason = "sdpa attention whose queries are chosen by an index: its causal mask stays aligned only for a suffix"
+            reason = (
+                "sdpa attention whose queries are chosen by an index: its causal mask stays aligned only for a suffix"
+            )
         else:
             fn = lookup_rule(node)
             layout = next(iter(layouts))

@@ -46,7 +46,8 @@ def link_kv_sources(gm: GraphModule) -> list[AttentionNode]:
                     )
                 known = ", ".join(a.layer for a in layers if not a.shares_kv) or "none"
                 raise ValueError(
-                    f"attention layer {attn.layer!r} names kv_source={attn.kv_source!r}, but the graph has no attention "
+                    f"attention layer {attn.layer!r} names kv_source={attn.kv_source!r}, but the graph has no "
+                    "attention "
                     f"layer of that name (layers with their own K/V: {known})"
                 )
             if source.shares_kv:
@@ -58,7 +59,8 @@ def link_kv_sources(gm: GraphModule) -> list[AttentionNode]:
             q_val, k_val = attn.node.args[0].meta["val"], k.meta["val"]
             if q_val.shape[2] != k_val.shape[2] or q_val.shape[1] % k_val.shape[1] != 0:
                 raise ValueError(
-                    f"attention layer {attn.layer!r} has queries of {q_val.shape[1]} heads x {q_val.shape[2]}, which do "
+                    f"attention layer {attn.layer!r} has queries of {q_val.shape[1]} heads x {q_val.shape[2]}, which "
+                    "do "
                     f"not fit the K/V of its kv_source {attn.kv_source!r} ({k_val.shape[1]} heads x {k_val.shape[2]})"
                 )
             args = list(attn.node.args)

@@ -75,7 +75,13 @@ def _read_range(user: Node, tensor: Node, shape: list[sympy.Expr]) -> tuple[int,
         size = _int_size(shape[dim])
         start = 0 if start is None else start
         end = size if is_open_end(end) else end
-        if size is not None and isinstance(start, int) and isinstance(end, int) and step in (None, 1) and 0 <= start < end <= size:
+        if (
+            size is not None
+            and isinstance(start, int)
+            and isinstance(end, int)
+            and step in (None, 1)
+            and 0 <= start < end <= size
+        ):
             return dim, start, end
     return None
 
@@ -307,7 +313,9 @@ def narrow_sliced_producers(gm: GraphModule, plan: HoistPlan) -> list[Narrowed]:
         if found is None:
             continue
         reads, per_user = found
-        requests = {region: _Request(tensor, reads.dim, *span) for region, span in ((True, reads.reduced), (False, reads.full))}
+        requests = {
+            region: _Request(tensor, reads.dim, *span) for region, span in ((True, reads.reduced), (False, reads.full))
+        }
         narrower = _Narrower(gm, tensor, list(requests.values()))
         parts = {region: narrower.build(request) for region, request in requests.items()}
         if not narrower.narrowed_weights:

@@ -23,3 +23,15 @@ def test_torch_compile_by_name_through_runner():
     assert fast.report.eligible_layers == ["cross.1"]
     assert fast.report.reduced_layers == ["cross.0", "cross.1"]
     assert 0.0 < fast.report.flops_removed_fraction < 1.0
+    from fx_fastprefill.compilation.pipeline import PIPELINE
+    assert list(fast.report.pass_seconds) == [p.__name__ for p in PIPELINE]
+    assert fast.report.to_dict()["pass_seconds"] == fast.report.pass_seconds
+
+
+def test_reports_are_bounded():
+    backend = fx_fastprefill.backend(compiler="eager", max_reports=2)
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend=backend, dynamic=False)
+    for rows in (3, 5, 9):  # static shapes: one graph per size
+        compiled(torch.randn(rows, 4))
+    assert len(backend.reports) == 2 and backend.reports.max_reports == 2
+    assert all(not r.cut and "no attention" in r.reason for r in backend.reports)

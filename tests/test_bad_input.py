@@ -1,5 +1,7 @@
 """Bad input gets a specific error, and the same Runner then serves a good request correctly."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -18,7 +20,9 @@ def tiny():
 def test_runner_errors_then_serves_correctly():
     m = tiny()
     ref = fx_fastprefill.Runner(m, max_num_tokens=16, max_model_len=32)
-    runner = fx_fastprefill.Runner(m, backend=fx_fastprefill.backend(compiler="eager"), max_num_tokens=16, max_model_len=32)
+    runner = fx_fastprefill.Runner(
+        m, backend=fx_fastprefill.backend(compiler="eager"), max_num_tokens=16, max_model_len=32
+    )
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         runner.prefill([[1, 2], []])
     with pytest.raises(ValueError, match=r"prompt 0: token 1 is 512, outside the vocabulary \[0, 512\)"):
@@ -69,19 +73,42 @@ class TwoLayers(nn.Module):
         return self.head(x[logits_indices])
 
 
-@pytest.mark.parametrize("backend", [None, "compiled"])
-@pytest.mark.parametrize("model, message", [
-    (lambda: TwoLayers("zzz"), "kv_source='zzz'"),
-    (lambda: TwoLayers("a", order=("b", "a")), "kv_source='a'"),
-    (lambda: TwoLayers("a", q_heads=3), "3 "),
-    (lambda: TwoLayers("a", head_dim=8), "head"),
+MODELS = {
+    "unknown source": lambda: TwoLayers("zzz"),
+    "source runs later": lambda: TwoLayers("a", order=("b", "a")),
+    "heads do not fit": lambda: TwoLayers("a", q_heads=3),
+    "head dims differ": lambda: TwoLayers("a", head_dim=8),
+}
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("unknown source", RuntimeError, "reads kv_source='zzz', which has not written its cache in this step"),
+    ("source runs later", RuntimeError, "reads kv_source='a', which has not written its cache in this step"),
+    ("heads do not fit", ValueError, "has q of 3 heads x 16 but the cache it reads .'a'. holds 2 heads x 16"),
+    ("head dims differ", ValueError, "has q of 4 heads x 8 but the cache it reads .'a'. holds 2 heads x 16"),
 ])
-def test_kv_source_errors(backend, model, message):
+def test_kv_source_errors_eager(case, error, message):
     torch.manual_seed(0)
-    be = None if backend is None else fx_fastprefill.backend(compiler="eager")
-    runner = fx_fastprefill.Runner(model(), backend=be, max_num_tokens=16, max_model_len=32)
-    with pytest.raises(Exception, match=message):
+    runner = fx_fastprefill.Runner(MODELS[case](), max_num_tokens=16, max_model_len=32)
+    with pytest.raises(error, match=message):
         runner.prefill([[1, 2, 3]])
+
+
+@pytest.mark.parametrize("case, message", [
+    ("unknown source", "names kv_source='zzz', but the graph has no attention layer of that name"),
+    ("source runs later", "reads kv_source='a', which runs later in the graph"),
+    ("heads do not fit", "has queries of 3 heads x 16, which do not fit the K/V of its kv_source 'a'"),
+    ("head dims differ", "has queries of 4 heads x 8, which do not fit the K/V of its kv_source 'a'"),
+])
+def test_kv_source_errors_compiled(case, message):
+    """Found when the graph is compiled, before any kernel runs: the user's error, not a fallback."""
+    torch.manual_seed(0)
+    runner = fx_fastprefill.Runner(MODELS[case](), backend=fx_fastprefill.backend(compiler="eager"), max_num_tokens=16,
+                                   max_model_len=32)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as failed:
+        runner.prefill([[1, 2, 3]])
+    assert isinstance(failed.value.inner_exception, ValueError), failed.value.inner_exception
+    assert re.search(message, str(failed.value.inner_exception))
 
 
 def test_graph_without_attention_is_left_unchanged():

@@ -46,8 +46,14 @@ def test_device_busy_time_is_the_union_of_kernel_intervals():
 def test_a_failed_variant_is_named_and_skipped(tmp_path, capsys):
     from benchmarks.tables import load
     path = tmp_path / "run.json"
-    path.write_text(json.dumps([record("inductor", (1, 8192), 90.0),
-                                {"model": "m", "variant": "ffp_cudagraph", "error": "Traceback ...\nAssertionError: stride"}]))
+    path.write_text(
+        json.dumps(
+            [
+                record("inductor", (1, 8192), 90.0),
+                {"model": "m", "variant": "ffp_cudagraph", "error": "Traceback ...\nAssertionError: stride"},
+            ]
+        )
+    )
     records = load([str(path)])
     assert [r["variant"] for r in records] == ["inductor"]
     assert "m ffp_cudagraph failed: AssertionError: stride" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import torch
 import fx_fastprefill
 from fx_fastprefill import SeqChunk
 from examples.gemma3n import Config, Gemma3nLike
-from tests.conftest import random_prompts
+from tests.helpers import random_prompts
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 

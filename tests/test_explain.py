@@ -72,7 +72,9 @@ def test_json_names_layers_gathers_and_flops(capsys, spec):
     for stop in out["stops"]:
         assert stop["op"] and stop["reason"]
     model_stops = [s for s in out["stops"] if s["op"] != "graph input"]
-    assert model_stops and all(expected["source_file"] in s["source_line"] or "blocks.py" in s["source_line"] for s in model_stops)
+    assert model_stops and all(
+        expected["source_file"] in s["source_line"] or "blocks.py" in s["source_line"] for s in model_stops
+    )
 
 
 @pytest.mark.parametrize("spec", sorted(EXPECTED))

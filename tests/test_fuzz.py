@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -72,7 +71,9 @@ def random_steps(seed: int, num_steps: int) -> list[list[SeqChunk]]:
             if n <= 0:
                 continue
             reaches_end = done[seq] + n >= len(prompts[seq])
-            num_logits = rng.choice([1, 1, n, rng.randint(0, n)]) if reaches_end else rng.choice([0, 0, rng.randint(0, n)])
+            num_logits = (
+                rng.choice([1, 1, n, rng.randint(0, n)]) if reaches_end else rng.choice([0, 0, rng.randint(0, n)])
+            )
             chunks.append(SeqChunk(seq, tokens, min(num_logits, n)))
             done[seq] += n
             budget -= n

@@ -29,12 +29,38 @@ def cut_report(model):
 def models():
     torch.manual_seed(0)
     return {
-        "gemma3n": gemma3n.Gemma3nLike(gemma3n.Config(vocab_size=64, dim=16, n_layers=4, pattern=2, num_kv_shared_layers=2,
-                                                      n_heads=2, n_kv_heads=1, head_dim=4, mlp_hidden=32, num_streams=2,
-                                                      per_layer_dim=4, sliding_window=4)),
-        "yoco": yoco.YocoLike(yoco.Config(vocab_size=64, dim=16, n_self=1, n_cross=2, n_heads=2, n_kv_heads=1, head_dim=4,
-                                          mlp_hidden=32, sliding_window=4)),
-        "dense": dense.Dense(dense.Config(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, mlp_hidden=32)),
+        "gemma3n": gemma3n.Gemma3nLike(
+            gemma3n.Config(
+                vocab_size=64,
+                dim=16,
+                n_layers=4,
+                pattern=2,
+                num_kv_shared_layers=2,
+                n_heads=2,
+                n_kv_heads=1,
+                head_dim=4,
+                mlp_hidden=32,
+                num_streams=2,
+                per_layer_dim=4,
+                sliding_window=4,
+            )
+        ),
+        "yoco": yoco.YocoLike(
+            yoco.Config(
+                vocab_size=64,
+                dim=16,
+                n_self=1,
+                n_cross=2,
+                n_heads=2,
+                n_kv_heads=1,
+                head_dim=4,
+                mlp_hidden=32,
+                sliding_window=4,
+            )
+        ),
+        "dense": dense.Dense(
+            dense.Config(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, mlp_hidden=32)
+        ),
     }
 
 
@@ -51,10 +77,13 @@ class TestGoldenGraphs(expecttest.TestCase):
     def test_gemma3n(self):
         report = cut_report(models()["gemma3n"])
         self.check_golden("gemma3n", print_cut_graph(report))
-        self.assertExpectedInline(summary(report), """\
+        self.assertExpectedInline(
+            summary(report),
+            """\
 eligible: layers.2, layers.3
 reduced: layers.1, layers.2, layers.3
-gathered: i64[T] -> i64[R]; f32[T, 16] -> f32[R, 16]; f32[T, 16] -> f32[R, 16]; i64[T] -> i64[R]; f32[T, 16] -> f32[R, 16]; f32[2, T, 16] -> f32[2, R, 16]""")
+gathered: i64[T] -> i64[R]; f32[T, 16] -> f32[R, 16]; f32[T, 16] -> f32[R, 16]; i64[T] -> i64[R]; f32[T, 16] -> f32[R, 16]; f32[2, T, 16] -> f32[2, R, 16]""",  # noqa: E501
+        )
 
     def test_yoco(self):
         report = cut_report(models()["yoco"])

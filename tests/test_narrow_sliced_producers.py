@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import fx_fastprefill
-from fx_fastprefill import SeqChunk
-from fx_fastprefill.passes.split_regions import FULL, REDUCED, assign_regions
+from fx_fastprefill.passes.split_regions import FULL, REDUCED
 from examples.gemma3n import Config, Gemma3nLike
+from tests.helpers import products_of
 
 aten = torch.ops.aten
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -19,25 +19,6 @@ def compiled_report(model, prompts, **options):
     ref = fx_fastprefill.Runner(model, max_num_tokens=64, max_model_len=64)
     torch.testing.assert_close(fast.prefill(prompts), ref.prefill(prompts), **TOL)
     return backend.reports[0]
-
-
-def products_of(report, weight_name):
-    """(region, rows of the weight read) of every mm whose weight operand comes from ``weight_name``."""
-    gm = report.graph
-    regions = assign_regions(gm)
-    names = {n: name for n, name in report.placeholder_names.items()}
-    found = []
-    for node in gm.graph.nodes:
-        if node.target is not aten.mm.default:
-            continue
-        weight, rows = node.args[1], None
-        while weight.op == "call_function":
-            if weight.target is aten.slice.Tensor:
-                rows = (weight.args[2], weight.args[3])
-            weight = weight.args[0]
-        if names.get(weight) == weight_name:
-            found.append((regions[node], rows))
-    return found
 
 
 def test_per_layer_inputs_split_at_the_sharing_boundary():
@@ -79,7 +60,9 @@ class OverlappingReads(Gemma3nLike):
     def forward(self, input_ids, positions, logits_indices):
         cfg = self.cfg
         h = self.embed(input_ids) * cfg.dim ** 0.5
-        per_layer = (self.per_layer_embed(input_ids) + self.per_layer_from_hidden(h)).view(-1, cfg.n_layers, cfg.per_layer_dim)
+        per_layer = (self.per_layer_embed(input_ids) + self.per_layer_from_hidden(h)).view(
+            -1, cfg.n_layers, cfg.per_layer_dim
+        )
         streams = torch.cat([h[None], self.stream_up(h).view(-1, cfg.num_streams - 1, cfg.dim).transpose(0, 1)])
         for i, layer in enumerate(self.layers):
             streams = layer(streams, per_layer[:, i % 2], positions)

@@ -59,7 +59,9 @@ def test_left_unchanged_with_the_reason(ending, reason):
 def test_row_mixing_op_is_named_where_the_hoist_stopped():
     torch.manual_seed(0)
     backend = fx_fastprefill.backend(compiler="eager")
-    fx_fastprefill.Runner(Variant("row_mixing_after_last_layer"), backend=backend, max_num_tokens=16).prefill([[1, 2, 3]])
+    fx_fastprefill.Runner(Variant("row_mixing_after_last_layer"), backend=backend, max_num_tokens=16).prefill(
+        [[1, 2, 3]]
+    )
     assert "aten.cumsum" in backend.reports[0].reason
 
 

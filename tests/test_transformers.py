@@ -18,7 +18,7 @@ import fx_fastprefill  # noqa: E402
 from examples import hf_gemma3n, hf_gemma4  # noqa: E402
 from examples.hf_check import check_prefill, compile_with_pass, greedy, left_padded_batch  # noqa: E402
 from fx_fastprefill.passes.split_regions import FULL, REDUCED  # noqa: E402
-from tests.test_narrow_sliced_producers import products_of  # noqa: E402
+from tests.helpers import products_of  # noqa: E402
 
 MODELS = {"gemma3n": hf_gemma3n}
 if hasattr(transformers, "Gemma4ForCausalLM"):
@@ -84,7 +84,9 @@ def test_left_padded_batch_matches(compiled):
 ])
 def test_outputs_that_need_every_row_leave_the_graph_unchanged(compiled, kwargs, reason):
     if compiled.model.config.model_type != "gemma3n_text":
-        pytest.skip("checked on Gemma 3n: the decision reads the graph's outputs, which both models build alike (CI time)")
+        pytest.skip(
+            "checked on Gemma 3n: the decision reads the graph's outputs, which both models build alike (CI time)"
+        )
     ids, mask = compiled.batch([12, 7], seed=2)
     call = dict(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
     call.update(kwargs)

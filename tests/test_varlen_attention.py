@@ -11,7 +11,7 @@ import torch
 
 import fx_fastprefill
 from fx_fastprefill import SeqChunk
-from fx_fastprefill.ops import attention as attention_op
+from fx_fastprefill.ops.attention import use_kernels
 from fx_fastprefill.ops.kernels.split_kv import split_kv_attention
 from fx_fastprefill.ops.kernels.varlen import emulated_varlen_kernel
 from examples.gemma3n import Config, Gemma3nLike
@@ -27,7 +27,9 @@ STEPS = [
 
 
 def run(model, backend, steps, device="cpu", dtype=torch.float32):
-    runner = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=64, max_model_len=96, device=device, dtype=dtype)
+    runner = fx_fastprefill.Runner(
+        model, backend=backend, max_num_tokens=64, max_model_len=96, device=device, dtype=dtype
+    )
     return [runner.step(chunks) for chunks in steps]
 
 
@@ -36,7 +38,7 @@ def model():
     return Gemma3nLike(Config(n_layers=7, pattern=3, num_kv_shared_layers=3, sliding_window=5))
 
 
-def compare(compiled: bool, split_kv: bool, patch) -> int:
+def compare(compiled: bool, split_kv: bool) -> dict:
     """Runs STEPS through the varlen path (FlashAttention emulated; the split-KV kernel real, on
     the CPU under TRITON_INTERPRET=1, when ``split_kv``) and checks them against the reference.
     Returns how many attention calls went to each kernel."""
@@ -52,21 +54,17 @@ def compare(compiled: bool, split_kv: bool, patch) -> int:
         calls["split_kv"] += 1
         return split_kv_attention(*args, split_len=16, block_n=16)
 
-    patch(attention_op, "flash_supported", lambda q: True)
-    patch(attention_op, "flash_varlen_kernel", flash)
-    patch(attention_op, "HAS_TRITON", split_kv)
-    if split_kv:
-        patch(attention_op, "split_kv_attention", split)
     backend = fx_fastprefill.backend(compiler="eager") if compiled else None
-    got = run(m, backend, STEPS)
+    with use_kernels(varlen=flash, split_kv=split if split_kv else None, varlen_supported=lambda q: True):
+        got = run(m, backend, STEPS)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     return calls
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_packing_matches_the_reference_with_an_emulated_kernel(monkeypatch, compiled):
-    calls = compare(compiled, False, monkeypatch.setattr)
+def test_packing_matches_the_reference_with_an_emulated_kernel(compiled):
+    calls = compare(compiled, False)
     assert calls["flash"] > 0 and calls["split_kv"] == 0
 
 
@@ -74,9 +72,11 @@ def test_split_kv_kernel_in_the_triton_interpreter():
     """The logits rows and decode rows of every step through the real split-KV kernel, interpreted."""
     pytest.importorskip("triton")
     script = ("from tests.test_varlen_attention import compare; "
-              "calls = compare(True, True, setattr); assert calls['split_kv'] > 0 and calls['flash'] > 0, calls; print(calls)")
+              "calls = compare(True, True); assert calls['split_kv'] > 0 and calls['flash'] > 0, calls; print(calls)")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -109,7 +109,9 @@ def test_split_kv_kernel_matches_float64_in_the_triton_interpreter():
     pytest.importorskip("triton")
     script = "from tests.test_varlen_attention import split_kv_against_float64 as f; print(max(f(s) for s in range(3)))"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.split()[-1]) < 1e-5  # float32 kernel arithmetic
 
@@ -122,10 +124,10 @@ def test_split_kv_kernel_on_the_gpu_matches_float64():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_flash_kernel_on_the_gpu_matches_the_reference(monkeypatch):
+def test_flash_kernel_on_the_gpu_matches_the_reference():
     m = model()
     fast = run(m, fx_fastprefill.backend(compiler="eager"), STEPS, "cuda", torch.bfloat16)
-    monkeypatch.setattr(attention_op, "flash_supported", lambda q: False)
-    slow = run(m, fx_fastprefill.backend(compiler="eager"), STEPS, "cuda", torch.bfloat16)
+    with use_kernels(varlen_supported=lambda q: False):
+        slow = run(m, fx_fastprefill.backend(compiler="eager"), STEPS, "cuda", torch.bfloat16)
     for f, s in zip(fast, slow):
         torch.testing.assert_close(f.float(), s.float(), rtol=3e-2, atol=3e-2)

@@ -18,6 +18,8 @@ from fx_fastprefill.passes.capture_sdpa import capture_sdpa
 from fx_fastprefill.passes.fx_utils import input_name, placeholders
 from fx_fastprefill.passes.split_regions import FULL, REDUCED
 
+from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
+from ..ops import sdpa as _sdpa_kernels  # noqa: F401
 from ..report.builder import build_report
 from ..report.report import ReportLog
 from . import fallbacks as fallback_reasons
@@ -60,7 +62,9 @@ class FastPrefillBackend:
         if compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         if not isinstance(prompt_len, int) or prompt_len < 1:
-            raise ValueError(f"prompt_len must be a positive int (the prompt length of the FLOPs estimate), got {prompt_len!r}")
+            raise ValueError(
+                f"prompt_len must be a positive int (the prompt length of the FLOPs estimate), got {prompt_len!r}"
+            )
         if not isinstance(cudagraphs, bool):
             raise TypeError(f"cudagraphs must be a bool, got {cudagraphs!r}")
         if not isinstance(narrow_slices, bool):
@@ -68,7 +72,9 @@ class FastPrefillBackend:
         if not isinstance(max_reports, int) or max_reports < 1:
             raise ValueError(f"max_reports must be a positive int, got {max_reports!r}")
         if cudagraphs and compiler != "inductor" and graph_recorder is None:
-            raise ValueError(f"cudagraphs=True needs compiler='inductor' (the regions are captured by Inductor), got {compiler!r}")
+            raise ValueError(
+                f"cudagraphs=True needs compiler='inductor' (the regions are captured by Inductor), got {compiler!r}"
+            )
         if cudagraphs and graph_recorder is None and not non_owning_supported():
             raise RuntimeError(f"cudagraphs=True needs torch._C._construct_storage_from_data_pointer (non-owning "
                                f"views of graph outputs), absent in torch {torch.__version__}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import torch
 from torch.fx import GraphModule
 
 from ..runtime.dynamic_shapes import exact_size_reasoning
@@ -34,10 +35,12 @@ def returns_tuple(gm: GraphModule) -> bool:
     return isinstance(out.args[0], (tuple, list))
 
 
-def _tuple_output(gm: GraphModule) -> None:
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    out.args = ((out.args[0],),)
-    gm.recompile()
+def _with_tuple_output(gm: GraphModule) -> GraphModule:
+    """A copy of ``gm`` that returns its one value as a 1-tuple (what Inductor compiles); ``gm``
+    itself is left as it is."""
+    graph = torch.fx.Graph()
+    graph.output((graph.graph_copy(gm.graph, {}),))
+    return GraphModule(gm, graph)
 
 
 def example_inputs(gm: GraphModule) -> list[Any]:
@@ -54,9 +57,7 @@ def compile_boxed(gm: GraphModule, compiler: str, static_input_idxs: Sequence[in
             args.clear()
             return [out] if single else list(out)
         return run
-    if single:
-        _tuple_output(gm)
-    compiled = inductor(gm, example_inputs(gm), static_input_idxs)
+    compiled = inductor(_with_tuple_output(gm) if single else gm, example_inputs(gm), static_input_idxs)
 
     def run_compiled(args: list) -> list:
         return list(compiled(args))

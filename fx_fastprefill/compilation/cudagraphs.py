@@ -57,7 +57,9 @@ def non_owning(t: Tensor) -> Tensor:
 def non_owning_supported() -> bool:
     """The installed torch can make non-owning CUDA views (a CPU-only build lacks the CUDA half,
     and never records graphs: its inputs are not on a CUDA device)."""
-    has_cuda_half = hasattr(torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata") or not torch.backends.cuda.is_built()
+    has_cuda_half = (
+        hasattr(torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata") or not torch.backends.cuda.is_built()
+    )
     return hasattr(torch._C, "_construct_storage_from_data_pointer") and has_cuda_half
 
 
@@ -143,7 +145,8 @@ class _RecordedPiece:
 @dataclass
 class _RegionState:
     """What the pieces of one region share: the mode and key of the current call, the pool, the
-    staging buffers, and the storages the recorded pieces of this forward produced."""
+    staging buffers, and the storages a recording forward reads in place (parameters, and what its
+    recorded pieces produced)."""
     recorder: Recorder
     mode: str = PLAIN
     key: tuple = ()
@@ -224,10 +227,11 @@ class PiecewiseRegion:
             if info.kind != GRAPH:
                 continue  # eager ops and views run as they are (their submodules' own code)
             module = getattr(self.split, info.name)
-            static = [isinstance(a, Node) and (a.op == "get_attr" or a.name in static_inputs) for a in calls[info.name].args]
-            single = not returns_tuple(module)  # before compiling: Inductor's graph returns a tuple
+            static = [
+                isinstance(a, Node) and (a.op == "get_attr" or a.name in static_inputs) for a in calls[info.name].args
+            ]
             piece = CUDAGraphPiece(compile_boxed(module, compiler, [i for i, s in enumerate(static) if s]), static,
-                                   single, self.state)
+                                   not returns_tuple(module), self.state)
             self.pieces.append(piece)
             swap_submodule(self.split, info.name, piece)
         for info in infos:
@@ -271,12 +275,17 @@ class PiecewiseRegion:
             state.mode = REPLAY
         elif seen == _WARMED:
             state.mode = RECORD
+            # Read in place, like values the pieces produce: parameters, and views of them that a
+            # views-only piece makes (a weight's transpose).
+            state.produced.update(_storage(args[i]) for i in self.static_positions if isinstance(args[i], Tensor))
             try:
                 out = self.split(*args)
                 self.keys[key] = _RECORDED
                 return self._output(out)
             except Exception as e:  # noqa: BLE001 - counted and logged; this key runs without graphs
-                log.warning("recording the CUDA graphs of a region failed for sizes %s: %s", key, e, exc_info=not self.failed)
+                log.warning(
+                    "recording the CUDA graphs of a region failed for sizes %s: %s", key, e, exc_info=not self.failed
+                )
                 self.keys[key] = _FAILED
                 self.failed += 1
                 self.record_fallback(reasons.CUDAGRAPH_RECORD_FAILED)

@@ -21,9 +21,13 @@ PASS_FAILED = "the pass failed on this graph: compiled unchanged"
 # Compile-time: piecewise CUDA graphs were asked for but cannot be used for this graph.
 CUDAGRAPHS_NOT_CUDA = "CUDA graphs asked for, but the graph's inputs are not on a CUDA device: compiled without them"
 # Run-time, per region call with piecewise CUDA graphs.
-CUDAGRAPH_WARMUP = "first call of these sizes: the region runs without CUDA graphs (warm-up; the next call records them)"
+CUDAGRAPH_WARMUP = (
+    "first call of these sizes: the region runs without CUDA graphs (warm-up; the next call records them)"
+)
 CUDAGRAPH_RECORD_FAILED = "recording the region's CUDA graphs failed for these sizes: they run without graphs"
-CUDAGRAPH_STATIC_INPUT_MOVED = "a parameter or buffer moved since the CUDA graphs were recorded: they are recorded again"
+CUDAGRAPH_STATIC_INPUT_MOVED = (
+    "a parameter or buffer moved since the CUDA graphs were recorded: they are recorded again"
+)
 
 
 class FallbackCounter(Counter):

@@ -56,7 +56,9 @@ class StepGate:
         found = [d for d, s in enumerate(val.shape)
                  if isinstance(s, torch.SymInt) and self.reduced_rows in s.node.expr.free_symbols]
         if len(found) != 1 or val.shape[found[0]].node.expr != self.reduced_rows:
-            raise ValueError(f"reduced-region output {node.name} has shape {tuple(val.shape)}: its logits rows are not one plain dim")
+            raise ValueError(
+                f"reduced-region output {node.name} has shape {tuple(val.shape)}: its logits rows are not one plain dim"
+            )
         return found[0]
 
     def _size(self, symbol: sympy.Symbol, args: tuple) -> int:

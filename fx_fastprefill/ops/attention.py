@@ -8,14 +8,45 @@ read the KV-sharing relation from its ``layer`` / ``kv_source`` arguments, and r
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
 import torch
 from torch import Tensor
 
 from ..runtime.step_context import current_step
+from .kernels.varlen import Kernel
 from .kernels.reference import prepare_kv, reference_attention, write_kv_rows
 from .kernels.split_kv import HAS_TRITON, split_kv_attention
 from .kernels.varlen import flash_supported, flash_varlen_kernel, varlen_attention
 from .schema import NAMESPACE
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The kernels the attention op runs: the varlen kernel where ``varlen_supported(q)`` (else the
+    float32 reference), and the split-KV kernel for few queries per request (None: varlen for all).
+    Tests swap in emulations with :func:`use_kernels`."""
+    varlen: Kernel
+    split_kv: Callable | None
+    varlen_supported: Callable[[Tensor], bool]
+
+
+KERNELS = AttentionKernels(flash_varlen_kernel, split_kv_attention if HAS_TRITON else None, flash_supported)
+
+
+@contextlib.contextmanager
+def use_kernels(**kernels: Any) -> Iterator[AttentionKernels]:
+    """Run the attention op with some kernels replaced (``varlen=``, ``split_kv=``, ``varlen_supported=``)."""
+    global KERNELS
+    previous = KERNELS
+    KERNELS = dataclasses.replace(previous, **kernels)
+    try:
+        yield KERNELS
+    finally:
+        KERNELS = previous
 
 
 def _check_arguments(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_source: str | None,
@@ -24,25 +55,44 @@ def _check_arguments(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, 
     if not layer:
         raise ValueError("fx_fastprefill.attention: `layer` must be a non-empty name")
     if q.dim() != 3:
-        raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+        raise ValueError(
+            f"fx_fastprefill.attention(layer={layer!r}): q must be [tokens, heads, head_dim], got shape "
+            f"{tuple(q.shape)}"
+        )
     if (k is None) != (v is None):
         raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): pass both k and v, or neither (with kv_source)")
     if k is None and kv_source is None:
-        raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): k and v are None, so kv_source must name the layer whose cache to read")
+        raise ValueError(
+            f"fx_fastprefill.attention(layer={layer!r}): k and v are None, so kv_source must name the layer whose "
+            "cache to read"
+        )
     if kv_source is not None and kv_source == layer:
         raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): kv_source names the layer itself")
     if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): sliding_window must be >= 1 or None, got {sliding_window}")
+        raise ValueError(
+            f"fx_fastprefill.attention(layer={layer!r}): sliding_window must be >= 1 or None, got {sliding_window}"
+        )
     if k is not None:
         assert v is not None
         if k.dim() != 3 or v.dim() != 3:
-            raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): k and v must be [tokens, kv_heads, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
+            raise ValueError(
+                f"fx_fastprefill.attention(layer={layer!r}): k and v must be [tokens, kv_heads, head_dim], got "
+                f"{tuple(k.shape)} and {tuple(v.shape)}"
+            )
         if k.shape[1] != v.shape[1]:
-            raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): k has {k.shape[1]} heads but v has {v.shape[1]}")
+            raise ValueError(
+                f"fx_fastprefill.attention(layer={layer!r}): k has {k.shape[1]} heads but v has {v.shape[1]}"
+            )
         if q.shape[2] != k.shape[2]:
-            raise ValueError(f"fx_fastprefill.attention(layer={layer!r}{' reading ' + repr(kv_source) if kv_source else ''}): q head_dim {q.shape[2]} != k head_dim {k.shape[2]}")
+            raise ValueError(
+                f"fx_fastprefill.attention(layer={layer!r}{' reading ' + repr(kv_source) if kv_source else ''}): q "
+                f"head_dim {q.shape[2]} != k head_dim {k.shape[2]}"
+            )
         if q.shape[1] % k.shape[1] != 0:
-            raise ValueError(f"fx_fastprefill.attention(layer={layer!r}{' reading ' + repr(kv_source) if kv_source else ''}): {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+            raise ValueError(
+                f"fx_fastprefill.attention(layer={layer!r}{' reading ' + repr(kv_source) if kv_source else ''}): "
+                f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads"
+            )
     if query_rows is not None and (query_rows.dim() != 1 or query_rows.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"fx_fastprefill.attention(layer={layer!r}): query_rows must be a 1-D integer tensor")
 
@@ -81,9 +131,10 @@ def attention_op(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_s
     _check_arguments(q, k, v, layer, kv_source, sliding_window, query_rows)
     step = _require_step(layer)
     keys, values = prepare_kv(q, k, v, layer, kv_source, kv_written is not None, step)
-    if flash_supported(q):
-        out = varlen_attention(q, k, v, keys, values, sliding_window, scale, query_rows, step, flash_varlen_kernel,
-                               split_kv_attention if HAS_TRITON else None)
+    kernels = KERNELS
+    if kernels.varlen_supported(q):
+        out = varlen_attention(q, k, v, keys, values, sliding_window, scale, query_rows, step, kernels.varlen,
+                               kernels.split_kv)
         if out is not None:
             return out
     return reference_attention(q, k, v, keys, values, sliding_window, scale, query_rows, step)

@@ -38,7 +38,9 @@ Q, K, V, LAYER, KV_SOURCE, SLIDING_WINDOW, SCALE, QUERY_ROWS, KV_WRITTEN = range
 # Argument positions of the write_kv op.
 WRITE_K, WRITE_V, WRITE_LAYER = range(3)
 # Argument positions of the sdpa op.
-SDPA_Q, SDPA_K, SDPA_V, SDPA_MASK, SDPA_DROPOUT, SDPA_IS_CAUSAL, SDPA_SCALE, SDPA_GQA, SDPA_LAYER, SDPA_QUERY_SUFFIX = range(10)
+SDPA_Q, SDPA_K, SDPA_V, SDPA_MASK, SDPA_DROPOUT, SDPA_IS_CAUSAL, SDPA_SCALE, SDPA_GQA, SDPA_LAYER, SDPA_QUERY_SUFFIX = (
+    range(10)
+)
 
 
 def is_package_op(node: Node) -> bool:

@@ -10,12 +10,22 @@ import re
 
 from torch.fx import GraphModule, Node
 
-from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_SOURCE, LAYER, SDPA_K, SDPA_LAYER, SDPA_OP, SDPA_V, V, WRITE_KV_OP
+from fx_fastprefill.ops.schema import (
+    ATTENTION_OP,
+    K,
+    KV_SOURCE,
+    LAYER,
+    SDPA_K,
+    SDPA_LAYER,
+    SDPA_OP,
+    SDPA_V,
+    V,
+    WRITE_KV_OP,
+)
 from fx_fastprefill.passes.attention_nodes import find_attention_nodes
 from fx_fastprefill.passes.fx_utils import innermost_module, size_names
 from fx_fastprefill.passes.fx_utils import op_name as target_name
 
-from .printer import format_shape
 from .printer import format_shape
 from .report import AttentionLayerInfo, FastPrefillReport, GatheredTensor, HoistStop, NarrowedTensor
 
@@ -79,7 +89,8 @@ def hoist_stop(stop, report: FastPrefillReport, feeds_kv: dict[Node, list[str]])
         reason = (f"needed for all rows: it feeds the K/V of {', '.join(kv_layers)}, which every later token "
                   f"attends to (through {describe(blocker, report)}, {op_name(blocker)})")
     elif blocker is not None:
-        reason = f"needed for all rows by {describe(blocker, report)} ({op_name(blocker)}, {source_line(blocker) or 'no source line'})"
+        where = source_line(blocker) or "no source line"
+        reason = f"needed for all rows by {describe(blocker, report)} ({op_name(blocker)}, {where})"
     return HoistStop(describe(node, report), op_name(node), reason, source_line(node),
                      describe(blocker, report) if blocker is not None else "", kv_layers)
 
@@ -94,8 +105,14 @@ def gathered(node: Node, report: FastPrefillReport) -> GatheredTensor:
 def narrowed_tensor(split, report: FastPrefillReport) -> NarrowedTensor:
     """A tensor split by passes/narrow_sliced_producers.py (``split`` is its ``Narrowed``)."""
     node = split.tensor
-    return NarrowedTensor(describe(node, report), format_shape(node.meta["val"], size_names(report.rows_symbol, report.reduced_rows_symbol)), split.dim,
-                          list(split.full), list(split.reduced), source_line(node))
+    return NarrowedTensor(
+        describe(node, report),
+        format_shape(node.meta["val"], size_names(report.rows_symbol, report.reduced_rows_symbol)),
+        split.dim,
+        list(split.full),
+        list(split.reduced),
+        source_line(node),
+    )
 
 
 def build_report(ctx, input_names: dict, cudagraphs: bool, fallbacks) -> FastPrefillReport:
@@ -127,13 +144,20 @@ def build_report(ctx, input_names: dict, cudagraphs: bool, fallbacks) -> FastPre
     report.flops_full = ctx.flops_full
     if ctx.declined == HOIST_STOPPED and report.stops:
         first = report.stops[0]
-        hint = " (hidden states or attentions asked for as outputs keep every row)" if first.reason == "a graph output" else ""
+        hint = (
+            " (hidden states or attentions asked for as outputs keep every row)"
+            if first.reason == "a graph output"
+            else ""
+        )
         report.reason = f"{HOIST_STOPPED}: {first.tensor} ({first.op}): {first.reason}{hint}"
     if ctx.declined:
         return report
     reduced_attention = set(plan.reduced_attention)
-    report.row_selection = ("rows by logits_indices" if plan.suffix is None else
-                            f"the last {plan.suffix} row{'s' if plan.suffix > 1 else ''} of each sequence (logits_to_keep)")
+    report.row_selection = (
+        "rows by logits_indices"
+        if plan.suffix is None
+        else f"the last {plan.suffix} row{'s' if plan.suffix > 1 else ''} of each sequence (logits_to_keep)"
+    )
     report.reduced_layers = [a.layer for a in find_attention_nodes(ctx.gm.graph) if a.node in reduced_attention]
     report.gathered = [gathered(node, report) for node in ctx.gm.graph.nodes if "ffp_source" in node.meta]
     report.narrowed = [narrowed_tensor(split, report) for split in ctx.narrowed]

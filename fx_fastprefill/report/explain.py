@@ -56,8 +56,15 @@ def convention(model: nn.Module) -> str:
         "forward(input_ids, positions, logits_indices) or a transformers causal LM with logits_to_keep")
 
 
-def compile_and_report(model: nn.Module, *, prompt_len: int = 2048, draft_layers: tuple[str, ...] = (),
-                       compiler: str = "eager", prompt_tokens: int = 12, num_prompts: int = 2) -> list[FastPrefillReport]:
+def compile_and_report(
+    model: nn.Module,
+    *,
+    prompt_len: int = 2048,
+    draft_layers: tuple[str, ...] = (),
+    compiler: str = "eager",
+    prompt_tokens: int = 12,
+    num_prompts: int = 2,
+) -> list[FastPrefillReport]:
     """Compile ``model`` with the pass on the CPU, run one small prefill, return its reports.
 
     The cut does not depend on how the regions are compiled afterwards, so by default they run
@@ -73,7 +80,9 @@ def compile_and_report(model: nn.Module, *, prompt_len: int = 2048, draft_layers
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(prompt_tokens - k)] for k in range(num_prompts)]
     if convention(model) == "flat":
-        runner = Runner(model, backend=backend, max_num_tokens=4 * prompt_tokens * num_prompts, max_model_len=4 * prompt_tokens)
+        runner = Runner(
+            model, backend=backend, max_num_tokens=4 * prompt_tokens * num_prompts, max_model_len=4 * prompt_tokens
+        )
         runner.prefill(prompts)
     else:
         model = model.eval()
@@ -86,10 +95,16 @@ def compile_and_report(model: nn.Module, *, prompt_len: int = 2048, draft_layers
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fx_fastprefill explain",
-                                     description="Compile a model with the fast-prefill pass on the CPU and show what it did.")
-    parser.add_argument("factory", metavar="MODULE:FACTORY", help="a callable returning a model, e.g. examples.gemma3n:tiny")
-    parser.add_argument("--prompt-len", type=int, default=2048, help="prompt length of the FLOPs estimate (default 2048)")
+    parser = argparse.ArgumentParser(
+        prog="python -m fx_fastprefill explain",
+        description="Compile a model with the fast-prefill pass on the CPU and show what it did.",
+    )
+    parser.add_argument(
+        "factory", metavar="MODULE:FACTORY", help="a callable returning a model, e.g. examples.gemma3n:tiny"
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, default=2048, help="prompt length of the FLOPs estimate (default 2048)"
+    )
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument("--draft-layers", nargs="*", default=(), help="layers to treat as draft layers")
     parser.add_argument("--compiler", choices=("eager", "inductor"), default="eager",

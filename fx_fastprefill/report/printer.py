@@ -72,7 +72,11 @@ def print_cut_graph(report) -> str:
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = node.meta.get("val")
-            if isinstance(val, torch.Tensor) and val.dim() >= 1 and not any(isinstance(s, torch.SymInt) for s in val.shape):
+            if (
+                isinstance(val, torch.Tensor)
+                and val.dim() >= 1
+                and not any(isinstance(s, torch.SymInt) for s in val.shape)
+            ):
                 continue  # weights: named where used
             inputs.append(f"  %{names[node]}: {format_shape(val, symbols)}")
             continue
@@ -82,7 +86,9 @@ def print_cut_graph(report) -> str:
         names[node] = f"{prefix[section]}{counters[section]}"
         counters[section] += 1
         args = ", ".join([arg_text(a) for a in node.args] + [f"{k}={arg_text(v)}" for k, v in node.kwargs.items()])
-        sections[section].append(f"  %{names[node]} = {op_name(node.target)}({args}) : {format_shape(node.meta.get('val'), symbols)}")
+        sections[section].append(
+            f"  %{names[node]} = {op_name(node.target)}({args}) : {format_shape(node.meta.get('val'), symbols)}"
+        )
     output = next(n for n in gm.graph.nodes if n.op == "output")
     lines = ["inputs:"] + inputs
     titles = {FULL: "full region (all T rows):", BOUNDARY: "boundary (gather rows by logits_indices):",

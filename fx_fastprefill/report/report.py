@@ -107,6 +107,7 @@ class FastPrefillReport:
             "flops_removed_fraction": self.flops_removed_fraction,
             "fallbacks": dict(self.fallbacks),
             "cudagraphs": self.cudagraphs,
+            "pass_seconds": dict(self.pass_seconds),
         }
 
     def explain(self) -> str:
@@ -144,7 +145,9 @@ class FastPrefillReport:
         if self.narrowed:
             lines.append("split so that each region computes only the slices it reads:")
             lines.extend(f"  {n}" for n in self.narrowed)
-        lines.append(f"prefill FLOPs removed at prompt length {self.prompt_len}: {100 * self.flops_removed_fraction:.1f}%")
+        lines.append(
+            f"prefill FLOPs removed at prompt length {self.prompt_len}: {100 * self.flops_removed_fraction:.1f}%"
+        )
         if self.cudagraphs:
             lines.append("piecewise CUDA graphs: on (attention outside, the code between captured per size)")
         if self.fallbacks:

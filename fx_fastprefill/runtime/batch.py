@@ -29,7 +29,9 @@ def default_logits_indices(chunks: Sequence[SeqChunk]) -> list[int]:
     for chunk in chunks:
         n = len(chunk.tokens)
         if not 0 <= chunk.num_logits <= n:
-            raise ValueError(f"request {chunk.seq_id}: num_logits={chunk.num_logits} must lie in [0, {n}] (its number of new tokens)")
+            raise ValueError(
+                f"request {chunk.seq_id}: num_logits={chunk.num_logits} must lie in [0, {n}] (its number of new tokens)"
+            )
         rows.extend(range(start + n - chunk.num_logits, start + n))
         start += n
     return rows
@@ -51,7 +53,9 @@ def validate_logits_indices(indices: Sequence[int], chunks: Sequence[SeqChunk]) 
         if not 0 <= row < total:
             raise IndexError(f"logits_indices[{i}] = {row} is out of range [0, {total}) for this step's {total} tokens")
         if row <= previous:
-            raise ValueError(f"logits_indices must be strictly increasing: logits_indices[{i}] = {row} follows {previous}")
+            raise ValueError(
+                f"logits_indices must be strictly increasing: logits_indices[{i}] = {row} follows {previous}"
+            )
         previous = row
     row_set = set(indices)
     begin = 0

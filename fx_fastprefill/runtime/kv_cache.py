@@ -59,11 +59,14 @@ class KVCache:
         """The (keys, values) arrays of ``layer``, allocated on its first write."""
         if layer not in self.keys:
             self.keys[layer] = torch.zeros(self.num_slots, num_kv_heads, head_dim, device=self.device, dtype=self.dtype)
-            self.values[layer] = torch.zeros(self.num_slots, num_kv_heads, v_head_dim, device=self.device, dtype=self.dtype)
+            self.values[layer] = torch.zeros(
+                self.num_slots, num_kv_heads, v_head_dim, device=self.device, dtype=self.dtype
+            )
         keys, values = self.keys[layer], self.values[layer]
         if keys.shape[1:] != (num_kv_heads, head_dim) or values.shape[1:] != (num_kv_heads, v_head_dim):
             raise ValueError(
-                f"layer {layer!r} writes K/V of shape [*, {num_kv_heads}, {head_dim}] / [*, {num_kv_heads}, {v_head_dim}] "
+                f"layer {layer!r} writes K/V of shape [*, {num_kv_heads}, {head_dim}] / [*, {num_kv_heads}, "
+                f"{v_head_dim}] "
                 f"but its cache holds {list(keys.shape[1:])} / {list(values.shape[1:])}"
             )
         return keys, values

@@ -21,6 +21,7 @@ from .batch import SeqChunk, default_logits_indices, pad_to_bucket, padded_indic
 from .dynamic_shapes import compile_for_varying_sizes, varying_sizes
 from .dynamo_guards import cheap_guards
 from ..compilation.fallbacks import FallbackCounter
+from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
 from .kv_cache import KVCache
 from .step_context import StepMetadata, step_context, to_device
 
@@ -109,7 +110,9 @@ class Runner:
         self.max_num_tokens = max_num_tokens
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size_of(model)
-        self.logits_pad_sizes = list(_power_of_two_buckets(max_num_tokens) if logits_pad_sizes is None else sorted(logits_pad_sizes))
+        self.logits_pad_sizes = list(
+            _power_of_two_buckets(max_num_tokens) if logits_pad_sizes is None else sorted(logits_pad_sizes)
+        )
         self.backend = self._resolve_backend(backend)
         self.cudagraphs = bool(getattr(self.backend, "cudagraphs", False))
         if token_pad_sizes is None:
@@ -130,7 +133,9 @@ class Runner:
         must have been freed first.
         """
         if self._requests:
-            raise RuntimeError(f"resize_kv_cache: requests {sorted(self._requests)} still hold the cache; free them first")
+            raise RuntimeError(
+                f"resize_kv_cache: requests {sorted(self._requests)} still hold the cache; free them first"
+            )
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
         if not isinstance(max_model_len, int) or max_model_len < 1:
@@ -207,7 +212,8 @@ class Runner:
             done = self._requests[chunk.seq_id].num_computed if chunk.seq_id in self._requests else 0
             if done + len(chunk.tokens) > self.max_model_len:
                 raise ValueError(
-                    f"request {chunk.seq_id}: {done} cached + {len(chunk.tokens)} new tokens exceed max_model_len={self.max_model_len}"
+                    f"request {chunk.seq_id}: {done} cached + {len(chunk.tokens)} new tokens exceed "
+                    f"max_model_len={self.max_model_len}"
                 )
             total += len(chunk.tokens)
         if total > self.max_num_tokens:
@@ -217,7 +223,9 @@ class Runner:
             validate_logits_indices(rows, chunks)
         new = [c.seq_id for c in chunks if c.seq_id not in self._requests]
         if len(new) > self.kv_cache.free_regions:
-            raise RuntimeError(f"{len(new)} new requests but only {self.kv_cache.free_regions} free KV cache regions (max_num_seqs)")
+            raise RuntimeError(
+                f"{len(new)} new requests but only {self.kv_cache.free_regions} free KV cache regions (max_num_seqs)"
+            )
         for seq_id in new:
             self._requests[seq_id] = _Request(seq_id, [], 0, self.kv_cache.allocate_region())
         return self._run(chunks, rows)

@@ -46,9 +46,14 @@ def _new_slots(step: StepMetadata, device) -> Tensor:
 def write_kv_rows(k: Tensor, v: Tensor, layer: str, step: StepMetadata) -> None:
     """Store this step's K/V rows of ``layer`` at their slots."""
     if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"write_kv(layer={layer!r}): k and v must be [tokens, kv_heads, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"write_kv(layer={layer!r}): k and v must be [tokens, kv_heads, head_dim], got {tuple(k.shape)} and "
+            f"{tuple(v.shape)}"
+        )
     if k.shape[0] != step.num_tokens:
-        raise ValueError(f"write_kv(layer={layer!r}): k has {k.shape[0]} rows but the step has {step.num_tokens} tokens")
+        raise ValueError(
+            f"write_kv(layer={layer!r}): k has {k.shape[0]} rows but the step has {step.num_tokens} tokens"
+        )
     keys, values = step.kv_cache.layer_arrays(layer, k.shape[1], k.shape[2], v.shape[2])
     slots = _new_slots(step, keys.device)
     keys[slots] = k.to(keys.dtype)

@@ -49,7 +49,9 @@ if triton is not None:
         heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
         head_ok = tl.arange(0, GROUP_PAD) < GROUP
         dims = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + row * stride_qr + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0
+        )
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -58,8 +60,12 @@ if triton is not None:
             key_ok = (keys >= lo) & (keys < hi)
             offs = (key_start + keys)[:, None]
             # K/V in the queries' dtype (a cache may be stored in another): cast per block, never a copy of the cache.
-            k = tl.load(k_ptr + offs * stride_kn + kv_head * stride_kh + dims[None, :], mask=key_ok[:, None], other=0.0).to(q.dtype)
-            v = tl.load(v_ptr + offs * stride_vn + kv_head * stride_vh + dims[None, :], mask=key_ok[:, None], other=0.0).to(q.dtype)
+            k = tl.load(
+                k_ptr + offs * stride_kn + kv_head * stride_kh + dims[None, :], mask=key_ok[:, None], other=0.0
+            ).to(q.dtype)
+            v = tl.load(
+                v_ptr + offs * stride_vn + kv_head * stride_vh + dims[None, :], mask=key_ok[:, None], other=0.0
+            ).to(q.dtype)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             s = tl.where(key_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -86,7 +92,9 @@ if triton is not None:
         l = tl.load(l_ptr + pid * num_splits + splits, mask=ok, other=0.0)
         m_max = tl.max(m, 0)
         weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
-        part = tl.load(part_ptr + (pid * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        part = tl.load(
+            part_ptr + (pid * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0
+        )
         out = tl.sum(part * weight[:, None], 0) / tl.sum(l * weight, 0)
         tl.store(out_ptr + pid * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 

@@ -83,8 +83,9 @@ def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cac
             pack.cu_q = to_device(torch.tensor([0] + _cumsum(per_seq_q), dtype=torch.int32), device)
             pack.cu_k = to_device(torch.tensor([0] + _cumsum(per_seq_k), dtype=torch.int32), device)
             if cached:
-                pack.key_slots = to_device(torch.cat([torch.arange(b, b + k) for b, k in zip(step.slot_base, per_seq_k)]),
-                                           device)
+                pack.key_slots = to_device(
+                    torch.cat([torch.arange(b, b + k) for b, k in zip(step.slot_base, per_seq_k)]), device
+                )
         step._tensors[key] = pack
     return step._tensors[key]
 
@@ -104,15 +105,27 @@ def _cumsum(values: list[int]) -> list[int]:
     return out
 
 
-def varlen_attention(q: Tensor, k: Tensor | None, v: Tensor | None, keys_cache: Tensor | None, values_cache: Tensor | None,
-                     sliding_window: int | None, scale: float | None, query_rows: Tensor | None,
-                     step: StepMetadata, kernel: Kernel, split_kv_kernel: Callable | None = None) -> Tensor | None:
+def varlen_attention(
+    q: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    keys_cache: Tensor | None,
+    values_cache: Tensor | None,
+    sliding_window: int | None,
+    scale: float | None,
+    query_rows: Tensor | None,
+    step: StepMetadata,
+    kernel: Kernel,
+    split_kv_kernel: Callable | None = None,
+) -> Tensor | None:
     """``q [Tq, H, D]`` against this step's ``k, v`` or the cache; None when the packing is unknown.
 
     ``split_kv_kernel`` (when given) takes calls whose requests have at most
     ``SPLIT_KV_MAX_QUERIES`` queries each: the logits rows of a prefill, and decode."""
     # A sharing layer called without its source's rows (eager, or a hand-split model) reads the cache.
-    pack = packing(step, query_rows, q.device, keys_from_cache=k is None, split_kv_available=split_kv_kernel is not None)
+    pack = packing(
+        step, query_rows, q.device, keys_from_cache=k is None, split_kv_available=split_kv_kernel is not None
+    )
     if pack is None:
         return None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -155,7 +168,9 @@ def emulated_varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, sliding_win
         if sliding_window is not None:
             allowed &= key_pos[None] > pos[:, None] - sliding_window
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed[None], float("-inf")).softmax(-1), vs).to(out.dtype)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed[None], float("-inf")).softmax(-1), vs).to(
+            out.dtype
+        )
     return out
 
 

@@ -1,0 +1,167 @@
+"""Each pass of the pipeline on one small hand-written graph: what it reads, what it changes.
+
+The graph: two attention layers, the second reading the first's K/V, then the model's own gather
+of the logits rows. Traced to aten with symbolic sizes, like the backend's graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+
+import fx_fastprefill  # noqa: F401  (registers the ops)
+from fx_fastprefill.compilation.pipeline import (PIPELINE, Decline, PassContext, PipelineOptions, copy_for_cut,
+                                                 run_pipeline)
+from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_WRITTEN, QUERY_ROWS, V, WRITE_KV_OP
+from fx_fastprefill.passes.cut_graph import BOUNDARY_GATHER, cut_graph
+from fx_fastprefill.passes.gather_hoisting import analyze
+from fx_fastprefill.passes.link_kv_sources import link_kv_sources
+from fx_fastprefill.passes.split_regions import FULL, REDUCED, split_regions
+from tests.helpers import aten_graph
+
+aten = torch.ops.aten
+T, R, DIM = 7, 3, 8
+
+
+def two_layers(x, idx, wq, wkv, wo):
+    h = x
+    q = (h @ wq).view(-1, 2, 4)
+    k, v = (h @ wkv).view(-1, 2, 2, 4).unbind(1)
+    h = h + torch.ops.fx_fastprefill.attention(q, k, v, "a", None, None, None, None, None).reshape(-1, DIM)
+    q = (h @ wq).view(-1, 2, 4)
+    h = h + torch.ops.fx_fastprefill.attention(q, None, None, "b", "a", None, None, None, None).reshape(-1, DIM)
+    return (h[idx] @ wo,)
+
+
+def graph():
+    inputs = (torch.randn(T, DIM), torch.tensor([2, 4, 6]), torch.randn(DIM, DIM), torch.randn(DIM, 2 * DIM),
+              torch.randn(DIM, 5))
+    return aten_graph(two_layers, *inputs, dynamic={0: [0], 1: [0]})
+
+
+def calls(gm, target):
+    return [n for n in gm.graph.nodes if n.target is target]
+
+
+def symbols(node):
+    val = node.meta["val"]
+    return set().union(*(s.node.expr.free_symbols for s in val.shape if isinstance(s, torch.SymInt)))
+
+
+def test_link_kv_sources_makes_the_cache_write_a_node_and_the_sharing_read_a_dependency():
+    gm = graph()
+    assert not calls(gm, WRITE_KV_OP)
+    layers = link_kv_sources(gm)
+    a, b = calls(gm, ATTENTION_OP)
+    [write] = calls(gm, WRITE_KV_OP)
+    assert [(x.layer, x.kv_source) for x in layers] == [("a", None), ("b", "a")]
+    assert write.args[:2] == (a.args[K], a.args[V]) and a.args[KV_WRITTEN] is write
+    # The sharing call reads the source's K/V nodes and waits for its write.
+    assert (b.args[K], b.args[V], b.args[KV_WRITTEN]) == (a.args[K], a.args[V], write)
+
+
+def test_analysis_reduces_both_layers_queries_and_keeps_kv_whole():
+    gm = graph()
+    link_kv_sources(gm)
+    plan = analyze(gm)
+    a, b = calls(gm, ATTENTION_OP)
+    assert set(plan.reduced_attention) == {a, b}
+    assert plan.index.op == "placeholder" and plan.index.meta["val"].shape[0].node.expr == plan.reduced_rows
+    assert plan.suffix is None
+    # K/V (and the write) feed every later token: never in the region.
+    assert a.args[K] not in plan.region and a.args[V] not in plan.region
+    assert {s.node.name for s in plan.stops} <= {n.name for n in gm.graph.nodes}
+
+
+def test_cut_gathers_at_the_boundary_and_reexpresses_sizes_in_the_logits_rows():
+    gm = graph()
+    link_kv_sources(gm)
+    plan = analyze(gm)
+    rows, reduced = plan.rows, plan.reduced_rows
+    gathers = cut_graph(gm, plan)
+    gm.graph.lint()
+    assert gathers and all(g.meta["ffp_role"] == BOUNDARY_GATHER for g in gathers)
+    assert all(g.target in (aten.index.Tensor, aten.reshape.default) for g in gathers)
+    assert not any(n.target is aten.index.Tensor and n.args[1] == [plan.index] and n not in gathers
+                   for n in gm.graph.nodes), "the model's own gather must be gone"
+    a, b = calls(gm, ATTENTION_OP)
+    assert a.args[QUERY_ROWS] is plan.index and b.args[QUERY_ROWS] is plan.index
+    assert reduced in symbols(a) and rows not in symbols(a)  # queries on R rows
+    assert rows in symbols(a.args[K])  # K/V on T rows
+
+
+def test_split_regions_full_then_reduced():
+    gm = graph()
+    link_kv_sources(gm)
+    plan = analyze(gm)
+    cut_graph(gm, plan)
+    split = split_regions(gm)
+    assert [n.target for n in split.graph.nodes if n.op == "call_module"] == [FULL, REDUCED]
+    full, reduced = getattr(split, FULL), getattr(split, REDUCED)
+    assert calls(full, WRITE_KV_OP) and not calls(full, ATTENTION_OP)
+    assert len(calls(reduced, ATTENTION_OP)) == 2
+    assert not any(plan.reduced_rows in symbols(n) for n in full.graph.nodes
+                   if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor))
+
+
+def test_pipeline_runs_every_pass_in_order_and_times_it():
+    ctx = run_pipeline(PassContext(graph(), PipelineOptions()))
+    assert not ctx.declined and list(ctx.seconds) == [p.__name__ for p in PIPELINE]
+    assert ctx.split is not None and ctx.flops_cut < ctx.flops_full
+    assert ctx.unchanged is not ctx.gm  # the cut worked on a copy
+
+
+@pytest.mark.parametrize("options, reason", [
+    (PipelineOptions(fast_prefill=False), "fast_prefill=False"),
+])
+def test_pipeline_declines_with_the_reason(options, reason):
+    ctx = run_pipeline(PassContext(graph(), options))
+    assert ctx.declined == reason and not ctx.failed and "copy_for_cut" not in ctx.seconds
+
+
+def test_an_error_after_the_copy_declines_and_an_error_before_it_is_raised():
+    def broken(ctx):
+        raise RuntimeError("boom")
+    after = PIPELINE.index(copy_for_cut) + 1
+    ctx = run_pipeline(PassContext(graph(), PipelineOptions()), PIPELINE[:after] + [broken] + PIPELINE[after:])
+    assert ctx.failed and ctx.declined == "internal error in pass broken: RuntimeError: boom"
+    assert calls(ctx.unchanged, WRITE_KV_OP) and not calls(ctx.unchanged, aten.index.Tensor)[1:]
+    with pytest.raises(RuntimeError, match="boom"):
+        run_pipeline(PassContext(graph(), PipelineOptions()), [broken] + PIPELINE)
+
+
+def test_a_pass_can_decline():
+    def never(ctx):
+        raise Decline("not today")
+    ctx = run_pipeline(PassContext(graph(), PipelineOptions()), PIPELINE[:2] + [never] + PIPELINE[2:])
+    assert ctx.declined == "not today" and not ctx.failed and list(ctx.seconds)[-1] == "never"
+
+
+def test_graph_dumps(tmp_path, monkeypatch):
+    monkeypatch.setenv("FX_FASTPREFILL_DUMP_GRAPHS", str(tmp_path))
+    run_pipeline(PassContext(graph(), PipelineOptions()))
+    names = sorted(p.name.split("_", 2)[-1] for p in tmp_path.iterdir())
+    assert names == ["cut.txt", "link.txt", "narrow.txt"]
+    assert "fx_fastprefill.write_kv" in next(tmp_path.glob("*_link.txt")).read_text()
+
+
+def test_symbols_are_distinct():
+    gm = graph()
+    link_kv_sources(gm)
+    plan = analyze(gm)
+    assert isinstance(plan.rows, sympy.Symbol) and isinstance(plan.reduced_rows, sympy.Symbol)
+    assert plan.rows != plan.reduced_rows
+
+
+def test_the_passes_load_no_kernel_runtime_or_inductor():
+    """Layering: passes/ needs only the op schemas; the kernels (Triton), the runtime and Inductor
+    are loaded by what runs or compiles a model."""
+    import subprocess
+    import sys
+    script = ("import sys, fx_fastprefill.passes.gather_hoisting, fx_fastprefill.passes.cut_graph, "
+              "fx_fastprefill.passes.split_pieces, fx_fastprefill.passes.narrow_sliced_producers; "
+              "print(sorted(m for m in ('triton', 'fx_fastprefill.runtime', 'fx_fastprefill.ops.attention', "
+              "'torch._inductor.compile_fx') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

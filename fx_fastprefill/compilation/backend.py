@@ -86,10 +86,6 @@ class FastPrefillBackend:
         self.fallbacks = FallbackCounter()
         self._input_names: list[str] = []
 
-    @property
-    def fast_prefill(self) -> bool:
-        return self.options.fast_prefill
-
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
         self._input_names = [input_name(n.name) for n in placeholders(gm)]
         if self.options.fast_prefill:
@@ -101,14 +97,12 @@ class FastPrefillBackend:
         inputs = placeholders(gm)
         names = dict(zip(inputs, self._input_names)) if len(inputs) == len(self._input_names) else {}
         static = _static_inputs(inputs)
-        cudagraphs = self.cudagraphs
-        not_cuda = cudagraphs and self.graph_recorder is None and not any(
-            isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
-        if not_cuda:
-            cudagraphs = False
         graph_fallbacks = FallbackCounter()  # this graph's share of self.fallbacks, in its report
         record_fallback = self._fallback_recorder(graph_fallbacks)
-        if not_cuda:
+        cudagraphs = self.cudagraphs
+        if cudagraphs and self.graph_recorder is None and not any(
+                isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
+            cudagraphs = False
             record_fallback(fallback_reasons.CUDAGRAPHS_NOT_CUDA)
         ctx = run_pipeline(PassContext(gm, self.options))
         compiled = None

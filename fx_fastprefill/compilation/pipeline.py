@@ -69,7 +69,6 @@ class PassContext:
     narrowed: list[Narrowed] = field(default_factory=list)
     flops_full: float = 0.0
     flops_cut: float = 0.0
-    gathers: list[Node] = field(default_factory=list)
     split: GraphModule | None = None  # the cut graph as calls of its full and reduced regions
     declined: str = ""
     failed: bool = False  # declined by an error in a pass (counted as a fallback), not by a rule
@@ -125,7 +124,7 @@ def require_reduced_attention(ctx: PassContext) -> None:
 
 def cut(ctx: PassContext) -> None:
     try:
-        ctx.gathers = cut_graph(ctx.gm, ctx.plan)
+        cut_graph(ctx.gm, ctx.plan)
     except CutError as e:
         raise Decline(f"the cut could not be applied: {e}") from None
 

@@ -166,6 +166,11 @@ def _insert_gather(gm: GraphModule, plan: HoistPlan, source: Node, layout: Layou
             picked = graph.call_function(aten.index.Tensor, (source_view, [None] * axis + [plan.index]))
         else:
             picked = graph.call_function(aten.slice.Tensor, (source_view, axis, -plan.suffix, 2**63 - 1))
+            if axis > 0:
+                # The last k rows of each of B sequences are not contiguous; the region's views
+                # (``[B, k, H] -> [B * k, H]``) were traced on contiguous tensors.
+                picked.meta["ffp_role"] = BOUNDARY_GATHER
+                picked = graph.call_function(aten.clone.default, (picked,), {"memory_format": torch.contiguous_format})
         gathered = picked
         if not layout.plain:
             picked.meta["ffp_role"] = BOUNDARY_GATHER

@@ -17,6 +17,8 @@ Invariants:
   region ever sees reduced rows; anything needed whole (attention K/V, which feed the KV cache,
   broadcast operands, graph outputs) stays in the full region.
 - Conservative: an op without a rule, or a rule that cannot prove row alignment, stops the hoist.
+- Boundary tensors are tensors: where a multi-output node (a split, a fused QKV chunk) stops the
+  hoist, its getitems leave the region and are gathered instead.
 - Reads only; the rewrite is passes/cut_graph.py.
 """
 
@@ -176,6 +178,16 @@ def _check_outputs(gm: GraphModule, seeds: set[Node], reduced: sympy.Symbol, out
             raise NoCut(f"graph output {node.name} is computed from the logits rows but does not keep them on one dim")
 
 
+def _leave_region(plan: HoistPlan, node: Node, requests: dict[Layout, list], reason: str, blocker: Node | None) -> None:
+    """Take ``node`` out of the region again: it becomes a boundary tensor, gathered for the region
+    nodes that requested it, and a stop with ``reason`` (its producer's)."""
+    del plan.region[node]
+    del plan.rules[node]
+    for layout, users in requests.items():
+        plan.boundary[(node, layout)] = users
+        plan.stops.append(Stop(node, layout, reason, blocker))
+
+
 def analyze(gm: GraphModule) -> HoistPlan:
     try:
         seeds, index, rows, reduced = find_seeds(gm)
@@ -223,6 +235,13 @@ def analyze(gm: GraphModule) -> HoistPlan:
             if isinstance(result, str):
                 reason = result
         if reason is not None:
+            if isinstance(node.meta.get("val"), (list, tuple)):
+                # A multi-output node (split, chunk, unbind, a norm's tuple): no tensor to gather.
+                # The boundary moves down to the outputs the region reads, its getitems.
+                for users in layouts.values():
+                    for user, _ in users:
+                        _leave_region(plan, user, requested[user], reason, blocker)
+                continue
             for layout, users in layouts.items():
                 plan.boundary[(node, layout)] = users
                 plan.stops.append(Stop(node, layout, reason, blocker))

@@ -165,7 +165,12 @@ def _insert_gather(gm: GraphModule, plan: HoistPlan, source: Node, layout: Layou
             # (index_select is decomposed into it before the cut ever sees the graph).
             picked = graph.call_function(aten.index.Tensor, (source_view, [None] * axis + [plan.index]))
         else:
-            picked = graph.call_function(aten.slice.Tensor, (source_view, axis, -plan.suffix, 2**63 - 1))
+            start = -plan.suffix if isinstance(plan.suffix, int) else None
+            if start is None:  # a symbolic k: -k computed here (the model's own comes after the boundary)
+                start = graph.call_function(operator.neg, (plan.suffix,))
+                start.meta["val"] = -plan.suffix.meta["val"]
+                start.meta["ffp_role"] = BOUNDARY_GATHER
+            picked = graph.call_function(aten.slice.Tensor, (source_view, axis, start, 2**63 - 1))
             if axis > 0:
                 # The last k rows of each of B sequences are not contiguous; the region's views
                 # (``[B, k, H] -> [B * k, H]``) were traced on contiguous tensors.

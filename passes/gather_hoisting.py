@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import operator
+
 import sympy
 import torch
 from torch.fx import GraphModule, Node
@@ -52,10 +54,10 @@ class Stop:
 @dataclass
 class HoistPlan:
     rows: sympy.Symbol            # token count T (per sequence, for a suffix selection)
-    reduced_rows: sympy.Expr      # logits-row count R: a symbol, or k of a static suffix
+    reduced_rows: sympy.Expr      # logits-row count R: a symbol, or k of a constant suffix
     index: Node | None            # the logits_indices graph input (None for a suffix selection)
     seeds: list[tuple[Node, Layout]]  # the model's own gathers and the layout they select on
-    suffix: int | None = None     # k of a suffix selection (a constant)
+    suffix: int | Node | None = None  # k of a suffix selection: a constant, or the graph's SymInt k
     region: dict[Node, Layout] = field(default_factory=dict)
     rules: dict[Node, RuleResult] = field(default_factory=dict)
     # (tensor, layout) -> the (user, argument path) pairs that read its gathered rows
@@ -134,8 +136,10 @@ def find_seeds(gm: GraphModule) -> tuple[list[tuple[Node, Layout]], Node, sympy.
     return [(c[0], Layout(c[2])) for c in chosen], index, rows, reduced
 
 
-def _suffix_slice(node: Node) -> tuple[Layout, sympy.Symbol, int] | None:
-    """(layout, rows, k) when ``node`` is ``x[..., -k:, ...]`` on a dim whose size is one symbol."""
+def _suffix_slice(node: Node) -> tuple[Layout, sympy.Symbol, int | Node, sympy.Expr] | None:
+    """(layout, rows, k, reduced rows) when ``node`` is ``x[..., -k:, ...]`` on a dim whose size is
+    one symbol; ``k`` is an int, or the graph value of a symbolic k (``logits_to_keep`` compiled
+    with dynamic shapes)."""
     if node.op != "call_function" or node.target is not aten.slice.Tensor:
         return None
     src = node.args[0]
@@ -147,14 +151,22 @@ def _suffix_slice(node: Node) -> tuple[Layout, sympy.Symbol, int] | None:
     rows = _single_symbol(shape[dim])
     if rows is None or step not in (None, 1) or not is_open_end(end):
         return None
-    # Only a constant k: Dynamo's guards then keep k <= rows. A symbolic k may be 0 at run time,
-    # and x[:, -0:] is every row.
-    if isinstance(start, int) and start < 0:
-        return Layout(dim), rows, -start
+    if isinstance(start, int) and start < 0:  # a constant k: Dynamo's guards keep k <= rows
+        return Layout(dim), rows, -start, sympy.Integer(-start)
+    # A symbolic k, sliced as x[:, -k:]. Dynamo specializes k of 0 and 1 (their own graphs: -0 is
+    # every row), so this graph runs only for k >= 2; its guards keep k <= rows exactly when the
+    # slice's size is k itself.
+    if isinstance(start, Node) and start.target is operator.neg and isinstance(start.args[0], Node) \
+            and start.args[0].op == "placeholder":
+        k = start.args[0]
+        k_val, out = k.meta.get("val"), shape_exprs(node.meta.get("val"))
+        if isinstance(k_val, torch.SymInt) and isinstance(k_val.node.expr, sympy.Symbol) and out \
+                and out[dim] == k_val.node.expr and k_val.node.expr != rows:
+            return Layout(dim), rows, k, k_val.node.expr
     return None
 
 
-def find_suffix_seed(gm: GraphModule) -> tuple[Node, Layout, sympy.Symbol, int] | None:
+def find_suffix_seed(gm: GraphModule) -> tuple[Node, Layout, sympy.Symbol, int | Node, sympy.Expr] | None:
     """The last slice of the last k rows over a dynamic token dim (transformers' logits_to_keep)."""
     found = None
     for node in gm.graph.nodes:
@@ -196,8 +208,7 @@ def analyze(gm: GraphModule) -> HoistPlan:
         found = find_suffix_seed(gm)
         if found is None:
             raise
-        seed, layout, rows, count = found
-        reduced = sympy.Integer(count)
+        seed, layout, rows, count, reduced = found
         plan = HoistPlan(rows, reduced, None, [(seed, layout)], suffix=count)
     requested: dict[Node, dict[Layout, list]] = defaultdict(lambda: defaultdict(list))
     needed_whole: dict[Node, tuple[str, Node]] = {}

@@ -94,3 +94,28 @@ def test_several_last_rows_read_through_a_view():
     [report] = backend.reports
     assert report.cut, report.reason
     assert report.reduced_layers == ["sdpa_1", "sdpa_2"]
+
+
+class KeepArgument(SharedKV):
+    """``keep`` passed at call time, as transformers' ``logits_to_keep``."""
+
+    def forward(self, ids, keep: int):
+        self.keep = keep
+        return super().forward(ids)
+
+
+def test_symbolic_k_is_cut_and_k_of_0_and_1_get_their_own_graphs():
+    torch.manual_seed(0)
+    model = KeepArgument(keep=1, fused=False).eval()
+    backend = fx_fastprefill.backend(compiler="eager")
+    forward = torch.compile(model, backend=backend, dynamic=True)
+    calls = [(11, 3), (7, 2), (9, 5), (8, 1), (10, 0)]
+    for seq, keep in calls:
+        ids = torch.randint(0, 50, (2, seq))
+        with torch.no_grad():
+            torch.testing.assert_close(forward(ids, keep), model(ids, keep), rtol=1e-5, atol=1e-5)
+    symbolic, one, zero = backend.reports  # k >= 2: one graph; 1 and 0: Dynamo specializes them
+    assert symbolic.cut and "k given at run time" in symbolic.row_selection, symbolic.reason
+    assert symbolic.reduced_layers == ["sdpa_1", "sdpa_2"]
+    assert one.cut and one.row_selection.startswith("the last 1 row of each sequence")
+    assert not zero.cut and "Logits for all rows were asked for" in zero.reason

@@ -157,6 +157,8 @@ def build_report(ctx, input_names: dict, cudagraphs: bool, fallbacks) -> FastPre
         "rows by logits_indices"
         if plan.suffix is None
         else f"the last {plan.suffix} row{'s' if plan.suffix > 1 else ''} of each sequence (logits_to_keep)"
+        if isinstance(plan.suffix, int)
+        else "the last k rows of each sequence (logits_to_keep, k given at run time)"
     )
     report.reduced_layers = [a.layer for a in find_attention_nodes(ctx.gm.graph) if a.node in reduced_attention]
     report.gathered = [gathered(node, report) for node in ctx.gm.graph.nodes if "ffp_source" in node.meta]

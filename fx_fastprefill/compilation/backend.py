@@ -26,7 +26,7 @@ from . import fallbacks as fallback_reasons
 from .compile_graph import COMPILERS, as_submodule, compile_boxed, inductor, returns_tuple, swap_submodule
 from .cudagraphs import PiecewiseRegion, Recorder, non_owning_supported
 from .fallbacks import FallbackCounter
-from .pipeline import PassContext, PipelineOptions, run_pipeline
+from .pipeline import PIPELINE, Pass, PassContext, PipelineOptions, run_pipeline
 from .regions import CompiledProgram, StepGate
 
 log = logging.getLogger("fx_fastprefill")
@@ -54,7 +54,7 @@ class FastPrefillBackend:
 
     def __init__(self, *, fast_prefill: bool = True, draft_layers: Iterable[str] = (), compiler: str = "inductor",
                  prompt_len: int = 2048, cudagraphs: bool = False, narrow_slices: bool = True,
-                 max_reports: int = 64, graph_recorder: Recorder | None = None):
+                 max_reports: int = 64, passes: Sequence[Pass] | None = None, graph_recorder: Recorder | None = None):
         if not isinstance(fast_prefill, bool):
             raise TypeError(f"fast_prefill must be a bool, got {fast_prefill!r}")
         if isinstance(draft_layers, str) or not all(isinstance(d, str) for d in draft_layers):
@@ -81,6 +81,9 @@ class FastPrefillBackend:
         self.cudagraphs = cudagraphs
         self.compiler = compiler
         self.options = PipelineOptions(fast_prefill, tuple(draft_layers), narrow_slices, prompt_len)
+        self.passes = list(PIPELINE if passes is None else passes)
+        if not all(callable(p) for p in self.passes):
+            raise TypeError(f"passes must be callables taking a PassContext, got {self.passes!r}")
         self.graph_recorder = graph_recorder
         self.reports = ReportLog(max_reports)
         self.fallbacks = FallbackCounter()
@@ -104,7 +107,7 @@ class FastPrefillBackend:
                 isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
             cudagraphs = False
             record_fallback(fallback_reasons.CUDAGRAPHS_NOT_CUDA)
-        ctx = run_pipeline(PassContext(gm, self.options))
+        ctx = run_pipeline(PassContext(gm, self.options), self.passes)
         compiled = None
         if not ctx.declined:
             try:
@@ -170,9 +173,10 @@ def backend(*, fast_prefill: bool = True, draft_layers: Iterable[str] = (), **op
     ``prompt_len`` (prompt length of the report's FLOPs estimate, default 2048), ``cudagraphs``
     (piecewise CUDA graphs: the code between attention ops captured per size, on CUDA),
     ``narrow_slices`` (default True; False skips passes/narrow_sliced_producers.py, to measure or
-    bisect it) and ``max_reports`` (reports kept, default 64).
+    bisect it), ``max_reports`` (reports kept, default 64) and ``passes`` (the pass pipeline,
+    default ``fx_fastprefill.compilation.pipeline.PIPELINE``: a list to insert a pass of your own).
     """
-    known = ("compiler", "prompt_len", "cudagraphs", "narrow_slices", "max_reports")
+    known = ("compiler", "prompt_len", "cudagraphs", "narrow_slices", "max_reports", "passes")
     unknown = set(options) - set(known)
     if unknown:
         raise TypeError(f"fx_fastprefill.backend() got unknown options {sorted(unknown)}; known: {', '.join(known)}")

@@ -55,6 +55,11 @@ SMALLEST = dict(
 )
 
 
+def smallest():
+    """``tiny`` at the SMALLEST config (the explain test's factory: quick to trace)."""
+    return tiny(**SMALLEST)
+
+
 def shared_layers(cfg) -> list[str]:
     """The attention modules the config says read another layer's K/V."""
     return [f"model.layers.{i}.self_attn" for i, mode in enumerate(cfg.kv_sharing_modes) if mode == "reuse"]

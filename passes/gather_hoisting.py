@@ -24,10 +24,9 @@ Invariants:
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
-
-import operator
 
 import sympy
 import torch

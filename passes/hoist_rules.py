@@ -23,21 +23,8 @@ import sympy
 import torch
 from torch.fx import Node
 
-from fx_fastprefill.ops.schema import (
-    ATTENTION_OP,
-    K,
-    KV_WRITTEN,
-    Q,
-    QUERY_ROWS,
-    SDPA_IS_CAUSAL,
-    SDPA_K,
-    SDPA_MASK,
-    SDPA_OP,
-    SDPA_Q,
-    SDPA_QUERY_SUFFIX,
-    SDPA_V,
-    V,
-)
+from fx_fastprefill.ops.schema import (ATTENTION_OP, K, KV_WRITTEN, Q, QUERY_ROWS, SDPA_IS_CAUSAL, SDPA_K, SDPA_MASK,
+                                       SDPA_OP, SDPA_Q, SDPA_QUERY_SUFFIX, SDPA_V, V)
 
 from .fx_utils import reaches_end
 from .token_layout import Layout, depends_on, map_view_layout, shape_exprs

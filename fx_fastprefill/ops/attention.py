@@ -1,9 +1,10 @@
 """``fx_fastprefill.attention``: causal attention over a packed variable-length batch with a KV cache.
 
-The kernels of the ``attention`` and ``write_kv`` ops (schemas in ``ops/schema.py``). The op is opaque
-to the compiler on purpose: the FX passes recognise it by handle,
-read the KV-sharing relation from its ``layer`` / ``kv_source`` arguments, and rewrite it to its query-subset form
-(``query_rows``) in the reduced region. Per-step batch layout comes from :mod:`fx_fastprefill.runtime.step_context`.
+The kernels of the ``attention`` and ``write_kv`` ops (schemas in ``ops/schema.py``). The op is
+opaque to the compiler on purpose: the FX passes recognise it by handle, read the KV-sharing
+relation from its ``layer`` / ``kv_source`` arguments, and rewrite it to its query-subset form
+(``query_rows``) in the reduced region. Per-step batch layout comes from
+:mod:`fx_fastprefill.runtime.step_context`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import torch
 from torch import Tensor
 
 from ..runtime.step_context import current_step
-from .kernels.varlen import Kernel
 from .kernels.reference import prepare_kv, reference_attention, write_kv_rows
 from .kernels.split_kv import HAS_TRITON, split_kv_attention
-from .kernels.varlen import flash_supported, flash_varlen_kernel, varlen_attention
+from .kernels.varlen import Kernel, flash_supported, flash_varlen_kernel, varlen_attention
 from .schema import NAMESPACE
 
 

@@ -10,18 +10,8 @@ import re
 
 from torch.fx import GraphModule, Node
 
-from fx_fastprefill.ops.schema import (
-    ATTENTION_OP,
-    K,
-    KV_SOURCE,
-    LAYER,
-    SDPA_K,
-    SDPA_LAYER,
-    SDPA_OP,
-    SDPA_V,
-    V,
-    WRITE_KV_OP,
-)
+from fx_fastprefill.ops.schema import (ATTENTION_OP, K, KV_SOURCE, LAYER, SDPA_K, SDPA_LAYER, SDPA_OP, SDPA_V, V,
+                                       WRITE_KV_OP)
 from fx_fastprefill.passes.attention_nodes import find_attention_nodes
 from fx_fastprefill.passes.fx_utils import innermost_module, size_names
 from fx_fastprefill.passes.fx_utils import op_name as target_name

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fx_fastprefill  # noqa: F401  (registers the package's ops)
+from fx_fastprefill.ops import attention, sdpa  # noqa: F401  (the ops' kernels and fake kernels)
 from fx_fastprefill.ops.schema import ATTENTION_OP, SDPA_OP
 from fx_fastprefill.passes.hoist_rules import REDUCED_SIZE, RuleResult, lookup_rule
 from fx_fastprefill.passes.token_layout import Layout

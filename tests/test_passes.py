@@ -10,7 +10,7 @@ import pytest
 import sympy
 import torch
 
-import fx_fastprefill  # noqa: F401  (registers the ops)
+from fx_fastprefill.ops import attention, sdpa  # noqa: F401  (the ops' kernels and fake kernels)
 from fx_fastprefill.compilation.pipeline import (PIPELINE, Decline, PassContext, PipelineOptions, copy_for_cut,
                                                  run_pipeline)
 from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_WRITTEN, QUERY_ROWS, V, WRITE_KV_OP

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-import fx_fastprefill  # noqa: F401  (registers the op)
+from fx_fastprefill.ops import sdpa as _sdpa_kernels  # noqa: F401  (the op's kernel and fake kernel)
 
 sdpa = torch.ops.fx_fastprefill.sdpa.default
 

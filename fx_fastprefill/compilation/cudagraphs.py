@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 from fx_fastprefill.passes.fx_utils import placeholders, size_sources
-from fx_fastprefill.passes.split_pieces import EAGER, GRAPH, split_pieces
+from fx_fastprefill.passes.split_pieces import GRAPH, split_pieces
 
 from . import fallbacks as reasons
 from .compile_graph import BoxedFn, compile_boxed, returns_tuple, swap_submodule
@@ -237,7 +237,6 @@ class PiecewiseRegion:
         for info in infos:
             if info.kind != GRAPH:
                 swap_submodule(self.split, info.name, getattr(self.split, info.name).forward)
-        self.eager_pieces = sum(info.kind == EAGER for info in infos)
         self.static_positions = sorted(static_input_idxs)
         self.record_fallback = record_fallback
         self.copy_outputs = False

@@ -1,12 +1,17 @@
 """The attention layers of a graph, in graph order, with their KV-sharing relation.
 
-Two kinds of attention node:
+Three kinds of attention node:
 - ``fx_fastprefill::attention`` (flat convention): the relation is the op's own ``layer`` /
   ``kv_source`` arguments.
 - ``fx_fastprefill::sdpa`` (transformers models, see passes/capture_sdpa.py): the relation is
   dataflow. A layer shares K/V when its K and V arguments, followed back through views, expands
   and copies (each layer's own GQA repeat), are the same tensors as an earlier layer's; its source
   is the first layer that used them.
+- eager attention (``attn_implementation="eager"``), recognised by its pattern: ``bmm(Q, K^T)``,
+  then elementwise ops (scale, softcap, mask) and views, a softmax over the keys (decomposed or
+  not), then ``bmm(P, V)``. The node is the second ``bmm``; the relation is dataflow, as for sdpa. Nothing
+  is rewritten: the hoist passes the pattern with its generic rules (queries' rows, keys and
+  values whole, the mask gathered on its query dim), which is exact for any row selection.
 
 Invariants: reads only.
 """
@@ -21,7 +26,7 @@ from torch.fx import Graph, Node
 from fx_fastprefill.ops.schema import (ATTENTION_OP, KV_SOURCE, LAYER, SDPA_K, SDPA_LAYER, SDPA_MASK, SDPA_OP, SDPA_V,
                                        SLIDING_WINDOW)
 
-from .fx_utils import is_whole_slice
+from .fx_utils import innermost_module, is_whole_slice
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -40,7 +45,9 @@ class AttentionNode:
     layer: str
     kv_source: str | None
     sliding_window: int | None
-    masked: bool = False  # sdpa with the model's own mask (its window, if any, lives in the mask)
+    masked: bool = False  # sdpa or eager with the model's own mask (its window, if any, lives in the mask)
+    keys: Node | None = None  # K and V as the call reads them (dataflow kinds: sdpa, eager)
+    values: Node | None = None
 
     @property
     def shares_kv(self) -> bool:
@@ -56,17 +63,86 @@ def kv_root(node: Node) -> Node:
     return node
 
 
+# Ops between the scores bmm and the softmax, or the softmax and the output bmm, in eager attention.
+_SCORE_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+                aten.clone.default, prims.convert_element_type.default, aten._to_copy.default}
+
+
+_SOFTMAX_PARTS = {aten._softmax.default, aten.amax.default, aten.sum.dim_IntList}
+
+
+def _is_pointwise(node: Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
+def _tensor_operands(node: Node) -> list[Node]:
+    return [a for a in node.args if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _last_dim_reduction(node: Node) -> bool:
+    """A softmax or one of its decomposed reductions (amax, sum with keepdim) over the last dim."""
+    if node.target not in _SOFTMAX_PARTS:
+        return False
+    rank = node.args[0].meta["val"].dim()
+    dims = node.args[1] if len(node.args) > 1 else None
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    return len(dims) == 1 and dims[0] in (-1, rank - 1)
+
+
+def _eager_attention(out: Node, limit: int = 256) -> tuple[Node, bool] | None:
+    """(scores bmm, masked) when ``out`` is the ``bmm(P, V)`` of an eager attention call: ``P`` is
+    computed from one ``bmm`` through views, pointwise ops (scale, softcap, mask, and the softmax
+    as Inductor's decompositions spell it) and reductions over the last dim, with an ``exp`` or a
+    softmax among them. ``masked``: another tensor of two or more dims enters the scores (a mask)."""
+    stack, seen, scores = [out.args[0]], set(), set()
+    softmax = masked = False
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > limit:
+            return None
+        if node.op == "call_function" and node.target is aten.bmm.default:
+            scores.add(node)
+        elif node.op == "call_function" and (node.target in _SCORE_VIEWS or _is_pointwise(node)
+                                             or _last_dim_reduction(node)):
+            softmax = softmax or node.target in (aten.exp.default, aten._softmax.default)
+            stack.extend(_tensor_operands(node))
+        else:
+            masked = masked or node.meta["val"].dim() >= 2
+    if len(scores) != 1 or not softmax:
+        return None
+    return next(iter(scores)), masked
+
+
 def find_attention_nodes(graph: Graph) -> list[AttentionNode]:
     found = []
     owners: dict[tuple[Node, Node], str] = {}
+    eager_names: dict[str, int] = {}
+
+    def dataflow(node: Node, layer: str, keys: Node, values: Node, masked: bool) -> AttentionNode:
+        roots = (kv_root(keys), kv_root(values))
+        source = owners.setdefault(roots, layer)
+        return AttentionNode(node, layer, None if source == layer else source, None, masked, keys, values)
+
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         if node.target is ATTENTION_OP:
             found.append(AttentionNode(node, node.args[LAYER], node.args[KV_SOURCE], node.args[SLIDING_WINDOW]))
         elif node.target is SDPA_OP:
-            roots = (kv_root(node.args[SDPA_K]), kv_root(node.args[SDPA_V]))
-            source = owners.setdefault(roots, node.args[SDPA_LAYER])
-            kv_source = None if source == node.args[SDPA_LAYER] else source
-            found.append(AttentionNode(node, node.args[SDPA_LAYER], kv_source, None, node.args[SDPA_MASK] is not None))
+            found.append(dataflow(node, node.args[SDPA_LAYER], node.args[SDPA_K], node.args[SDPA_V],
+                                  node.args[SDPA_MASK] is not None))
+        elif node.target is aten.bmm.default:
+            eager = _eager_attention(node)
+            if eager is None:
+                continue
+            scores, masked = eager
+            layer = innermost_module(node) or "eager_attention"
+            eager_names[layer] = eager_names.get(layer, 0) + 1
+            if eager_names[layer] > 1:
+                layer = f"{layer}#{eager_names[layer]}"
+            found.append(dataflow(node, layer, scores.args[1], node.args[1], masked))
     return found

@@ -130,7 +130,8 @@ class _ReducedSizes:
 
     def __call__(self, node: Node, size) -> Node | int:
         val = size.meta["val"] if isinstance(size, Node) else size
-        expr = val.node.expr if isinstance(val, torch.SymInt) else None
+        static = isinstance(val, int) and self.plan.rows.is_number  # static shapes: outer * T * inner
+        expr = val.node.expr if isinstance(val, torch.SymInt) else sympy.Integer(val) if static else None
         factor = sympy.simplify(expr / self.plan.rows) if expr is not None else None
         if factor is None or not factor.is_Integer:
             return -1  # inferred from the other sizes

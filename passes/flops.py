@@ -26,8 +26,10 @@ def _evaluate(expr: sympy.Expr, values: dict) -> int:
     return int(expr.subs({s: 1 for s in expr.free_symbols}))
 
 
-def estimate_flops(gm: GraphModule, rows: sympy.Symbol, reduced_rows: sympy.Symbol, prompt_len: int) -> float:
-    values = {rows: prompt_len}
+def estimate_flops(gm: GraphModule, rows: sympy.Expr, reduced_rows: sympy.Expr, prompt_len: int) -> float:
+    if rows.is_number:  # a static graph's prompt length is its own
+        prompt_len = int(rows)
+    values = {rows: prompt_len} if isinstance(rows, sympy.Symbol) else {}
     if isinstance(reduced_rows, sympy.Symbol):
         values[reduced_rows] = 1  # a static suffix is already a number
     total = 0

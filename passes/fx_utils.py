@@ -116,11 +116,11 @@ def innermost_module(node: Node) -> str:
     return module_path(key) if key else ""
 
 
-def size_names(rows: sympy.Symbol | None, reduced_rows: sympy.Expr | None) -> dict:
+def size_names(rows: sympy.Expr | None, reduced_rows: sympy.Expr | None) -> dict:
     """The printable names of the row counts: T for the tokens, R for the logits rows (a static
     suffix's R is a number already)."""
     names = {}
-    if rows is not None:
+    if isinstance(rows, sympy.Symbol):  # a static graph's counts are numbers
         names[rows] = "T"
     if isinstance(reduced_rows, sympy.Symbol):
         names[reduced_rows] = "R"

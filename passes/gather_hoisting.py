@@ -32,8 +32,9 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
-from fx_fastprefill.ops.schema import ATTENTION_OP, SDPA_OP
+from fx_fastprefill.ops.schema import SDPA_OP
 
+from .attention_nodes import find_attention_nodes
 from .fx_utils import downstream, is_open_end, slice_args
 from .hoist_rules import RuleResult, lookup_rule
 from .token_layout import Layout, shape_exprs
@@ -52,7 +53,8 @@ class Stop:
 
 @dataclass
 class HoistPlan:
-    rows: sympy.Symbol            # token count T (per sequence, for a suffix selection)
+    rows: sympy.Expr              # token count T (per sequence, for a suffix selection): a symbol,
+    #                               or an integer when the graph was traced with static shapes
     reduced_rows: sympy.Expr      # logits-row count R: a symbol, or k of a constant suffix
     index: Node | None            # the logits_indices graph input (None for a suffix selection)
     seeds: list[tuple[Node, Layout]]  # the model's own gathers and the layout they select on
@@ -62,10 +64,11 @@ class HoistPlan:
     # (tensor, layout) -> the (user, argument path) pairs that read its gathered rows
     boundary: dict[tuple[Node, Layout], list[tuple[Node, tuple]]] = field(default_factory=dict)
     stops: list[Stop] = field(default_factory=list)
+    attention: set[Node] = field(default_factory=set)  # every attention node (passes/attention_nodes.py)
 
     @property
     def reduced_attention(self) -> list[Node]:
-        return [n for n in self.region if n.target in (ATTENTION_OP, SDPA_OP)]
+        return [n for n in self.region if n in self.attention]
 
 
 class NoCut(Exception):
@@ -98,8 +101,8 @@ def _single_symbol(expr: sympy.Expr) -> sympy.Symbol | None:
 
 NO_SELECTION = (
     "no row selection to hoist: neither a gather by a graph input (hidden[logits_indices]) nor a slice of the "
-    "last rows (hidden[:, -k:], transformers' logits_to_keep) over a dynamic token dim. Logits for all rows were "
-    "asked for, the step has one token per sequence (decode), or the shapes are static (compile with dynamic=True)"
+    "last rows (hidden[:, -k:], transformers' logits_to_keep). Logits for all rows were asked for "
+    "(logits_to_keep=0, the default of a plain forward), or the step has one token per sequence (decode)"
 )
 
 
@@ -135,10 +138,10 @@ def find_seeds(gm: GraphModule) -> tuple[list[tuple[Node, Layout]], Node, sympy.
     return [(c[0], Layout(c[2])) for c in chosen], index, rows, reduced
 
 
-def _suffix_slice(node: Node) -> tuple[Layout, sympy.Symbol, int | Node, sympy.Expr] | None:
+def _suffix_slice(node: Node) -> tuple[Layout, sympy.Expr, int | Node, sympy.Expr] | None:
     """(layout, rows, k, reduced rows) when ``node`` is ``x[..., -k:, ...]`` on a dim whose size is
-    one symbol; ``k`` is an int, or the graph value of a symbolic k (``logits_to_keep`` compiled
-    with dynamic shapes)."""
+    one symbol, or a constant (static shapes); ``k`` is an int, or the graph value of a symbolic k
+    (an int ``logits_to_keep`` Dynamo made dynamic)."""
     if node.op != "call_function" or node.target is not aten.slice.Tensor:
         return None
     src = node.args[0]
@@ -147,11 +150,17 @@ def _suffix_slice(node: Node) -> tuple[Layout, sympy.Symbol, int | Node, sympy.E
         return None
     dim, start, end, step = slice_args(node)
     dim = dim + len(shape) if dim < 0 else dim
-    rows = _single_symbol(shape[dim])
-    if rows is None or step not in (None, 1) or not is_open_end(end):
+    if step not in (None, 1) or not is_open_end(end):
         return None
-    if isinstance(start, int) and start < 0:  # a constant k: Dynamo's guards keep k <= rows
-        return Layout(dim), rows, -start, sympy.Integer(-start)
+    # Static shapes: the dim this slice selects on is the token dim, T its size.
+    rows = shape[dim] if shape[dim].is_Integer else _single_symbol(shape[dim])
+    if rows is None:
+        return None
+    if isinstance(start, int):
+        # A constant k: Dynamo's guards keep k <= rows; a static slice of every row saves nothing.
+        if start < 0 and not (rows.is_number and -start >= rows):
+            return Layout(dim), rows, -start, sympy.Integer(-start)
+        return None
     # A symbolic k, sliced as x[:, -k:]. Dynamo specializes k of 0 and 1 (their own graphs: -0 is
     # every row), so this graph runs only for k >= 2; its guards keep k <= rows exactly when the
     # slice's size is k itself.
@@ -165,8 +174,9 @@ def _suffix_slice(node: Node) -> tuple[Layout, sympy.Symbol, int | Node, sympy.E
     return None
 
 
-def find_suffix_seed(gm: GraphModule) -> tuple[Node, Layout, sympy.Symbol, int | Node, sympy.Expr] | None:
-    """The last slice of the last k rows over a dynamic token dim (transformers' logits_to_keep)."""
+def find_suffix_seed(gm: GraphModule) -> tuple[Node, Layout, sympy.Expr, int | Node, sympy.Expr] | None:
+    """The last slice of the last k rows (transformers' logits_to_keep): over a dim of one size
+    symbol, or, in a graph traced with static shapes, over a dim of more than k rows."""
     found = None
     for node in gm.graph.nodes:
         suffix = _suffix_slice(node)
@@ -209,6 +219,7 @@ def analyze(gm: GraphModule) -> HoistPlan:
             raise
         seed, layout, rows, count, reduced = found
         plan = HoistPlan(rows, reduced, None, [(seed, layout)], suffix=count)
+    plan.attention = {a.node for a in find_attention_nodes(gm.graph)}
     requested: dict[Node, dict[Layout, list]] = defaultdict(lambda: defaultdict(list))
     needed_whole: dict[Node, tuple[str, Node]] = {}
     seed_nodes = {s for s, _ in plan.seeds}

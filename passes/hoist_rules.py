@@ -8,6 +8,9 @@ Invariants:
 - A rule never claims row-alignment it cannot show from shapes: sizes are compared as sympy
   expressions, and any argument that depends on the row count in a way the rule cannot rewrite
   stops the hoist.
+- Only the token dim shrinks. A size or slice bound off the token dim keeps its value in the
+  reduced region, even where it is the token count (the keys of a score matrix ``[R, T]``, a mask
+  sliced to ``T`` keys): those dims are not gathered.
 - Rules only describe; the rewrite (passes/cut_graph.py) applies ``arg_rewrites`` (sizes in the
   reduced row count, the sdpa op's ``query_suffix`` flag) and ``set_query_rows`` to nodes that join
   the reduced region.
@@ -181,12 +184,11 @@ def _rewrite_size_list(node: Node, arg_index: int, layout: Layout, rows) -> dict
     for i, size in enumerate(sizes):
         uses_rows = depends_on(size, rows)
         if i == layout.axis:
-            if uses_rows:
+            if uses_rows or (rows.is_number and isinstance(size, int) and size != -1):
+                # (static shapes: the token dim's size is a constant, outer * T * inner)
                 rewrites[("args", arg_index, i)] = REDUCED_SIZE
             elif size != -1:
                 return f"size {i} of {node.target} is a constant on the token dim"
-        elif uses_rows:
-            return f"size {i} of {node.target} depends on the token count off the token dim"
         elif size == -1 and not _explicit_rows(sizes[layout.axis], rows):
             # cut_graph infers a token-dim size it cannot spell (-1): only one dim may be inferred.
             return f"{node.target} infers a dim other than the token dim (-1 at {i})"
@@ -196,6 +198,8 @@ def _rewrite_size_list(node: Node, arg_index: int, layout: Layout, rows) -> dict
 def _explicit_rows(size, rows) -> bool:
     """Whether cut_graph spells this token-dim size in R explicitly: ``rows`` times an integer."""
     value = size.meta.get("val") if isinstance(size, Node) else size
+    if isinstance(value, int) and rows.is_number:
+        return value != -1
     if not isinstance(value, torch.SymInt):
         return False
     factor = sympy.simplify(value.node.expr / rows)
@@ -289,11 +293,8 @@ def _slice(node, layout, rows):
     start = node.args[2] if len(node.args) > 2 else None
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
-    if dim == layout.axis:
-        if not (start in (None, 0) and step == 1 and reaches_end(end, shape[dim])):
-            return "a slice of the token dim"
-    elif any(depends_on(a, rows) for a in (start, end)):
-        return "slice bounds depend on the token count"
+    if dim == layout.axis and not (start in (None, 0) and step == 1 and reaches_end(end, shape[dim])):
+        return "a slice of the token dim"
     return RuleResult([Requirement(("args", 0), src, layout)])
 
 
@@ -305,8 +306,6 @@ def _slice_scatter(node, layout, rows):
     dim = _norm_dim(node.args[2] if len(node.args) > 2 else 0, len(shape))
     if dim == layout.axis:
         return "a slice_scatter along the token dim"
-    if any(depends_on(a, rows) for a in node.args[3:]):
-        return "slice_scatter bounds depend on the token count"
     return RuleResult([Requirement(("args", 0), src, layout), Requirement(("args", 1), values, layout)])
 
 

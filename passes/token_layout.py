@@ -5,7 +5,9 @@ Invariants:
   element ``i`` of that dimension belongs to row ``(i // inner) % rows``. Plain row-aligned tensors
   have ``inner == outer == 1``; ``inner > 1`` appears when a view merges the token dim with the
   dims after it, ``outer > 1`` when it merges a batch dim before it (``[B, S, H] -> [B*S, H]``).
-- Sizes are sympy expressions; the row count is one free symbol (``T`` in the full graph).
+- Sizes are sympy expressions; the row count is one free symbol (``T`` in the full graph), or in a
+  graph traced with static shapes an integer, found from the row selection and followed through
+  views by position (prefix and block), not by value.
 """
 
 from __future__ import annotations
@@ -61,30 +63,36 @@ def _prod(values: Sequence[sympy.Expr]) -> sympy.Expr:
 
 
 def map_view_layout(src_shape: Sequence[sympy.Expr], src: Layout, dst_shape: Sequence[sympy.Expr],
-                    rows: sympy.Symbol) -> Layout | None:
+                    rows: sympy.Expr) -> Layout | None:
     """The layout of the rows after viewing a row-major tensor of ``src_shape`` as ``dst_shape``.
 
     In memory the rows sit between a prefix (every dim before the token dim, times ``outer``) and a
-    block (``inner`` times every dim after it). A view keeps rows addressable when the dim holding
-    ``rows`` in ``dst_shape`` splits that same prefix and block; a view that splits the row count
-    itself returns None.
+    block (``inner`` times every dim after it). A view keeps rows addressable when one dim of
+    ``dst_shape`` splits that same prefix and block; a view that splits the row count itself
+    returns None. ``rows`` is a symbol, or the token count of a static graph: that dim is then found
+    by the prefix and the block alone (for more than one row it is unique), never by a size equal
+    to the token count, which another dim may share.
     """
     prefix = sympy.simplify(_prod(src_shape[: src.axis]) * src.outer)
     block = sympy.simplify(src.inner * _prod(src_shape[src.axis + 1:]))
-    holding = [axis for axis, size in enumerate(dst_shape) if rows in size.free_symbols]
-    if len(holding) != 1:
-        return None
-    axis = holding[0]
-    outer = sympy.simplify(prefix / _prod(dst_shape[:axis]))
-    inner = sympy.simplify(block / _prod(dst_shape[axis + 1:]))
-    for factor in (outer, inner):
-        if rows in factor.free_symbols or (factor.is_number and (factor <= 0 or not factor.is_integer)):
-            return None
-        if not factor.is_number and not _is_monomial(factor):
-            return None
-    if sympy.simplify(dst_shape[axis] - outer * rows * inner) != 0:
-        return None
-    return Layout(axis, inner, outer)
+    found = []
+    for axis, size in enumerate(dst_shape):
+        if not rows.is_number and rows not in size.free_symbols:
+            continue
+        outer = sympy.simplify(prefix / _prod(dst_shape[:axis]))
+        inner = sympy.simplify(block / _prod(dst_shape[axis + 1:]))
+        if all(_is_factor(f, rows) for f in (outer, inner)) and sympy.simplify(size - outer * rows * inner) == 0:
+            found.append(Layout(axis, inner, outer))
+    return found[0] if len(found) == 1 else None
+
+
+def _is_factor(factor: sympy.Expr, rows: sympy.Expr) -> bool:
+    """A grouping factor: a positive integer or a product of sizes, free of the row count."""
+    if not rows.is_number and rows in factor.free_symbols:
+        return False
+    if factor.is_number:
+        return bool(factor > 0 and factor.is_integer)
+    return _is_monomial(factor)
 
 
 def _is_monomial(expr: sympy.Expr) -> bool:
@@ -93,8 +101,9 @@ def _is_monomial(expr: sympy.Expr) -> bool:
     return denominator == 1 and (numerator.is_Mul or numerator.is_Symbol)
 
 
-def depends_on(value, symbol: sympy.Symbol) -> bool:
-    """Whether an int / SymInt / FX node holding a SymInt depends on ``symbol``."""
+def depends_on(value, symbol: sympy.Expr) -> bool:
+    """Whether an int / SymInt / FX node holding a SymInt depends on ``symbol`` (never, for the
+    integer row count of a static graph: its sizes are constants)."""
     if isinstance(value, torch.fx.Node):
         value = value.meta.get("val")
     if isinstance(value, torch.SymInt):

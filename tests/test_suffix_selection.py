@@ -119,3 +119,42 @@ def test_symbolic_k_is_cut_and_k_of_0_and_1_get_their_own_graphs():
     assert symbolic.reduced_layers == ["sdpa_1", "sdpa_2"]
     assert one.cut and one.row_selection.startswith("the last 1 row of each sequence")
     assert not zero.cut and "Logits for all rows were asked for" in zero.reason
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+@pytest.mark.parametrize("fused", [False, True])
+def test_static_shapes_are_cut_from_the_first_call(keep, fused):
+    """``torch.compile(model, backend=...)`` traces its first call with static shapes: the token dim
+    is the one the row selection slices, followed through views by position, not by value. The
+    lengths collide with other sizes (16 = the model dim, 8 = the head dim and the batch)."""
+    torch.manual_seed(0)
+    model = SharedKV(keep, fused).eval()
+    backend = fx_fastprefill.backend(compiler="eager")
+    forward = torch.compile(model, backend=backend)
+    for batch, seq in ((2, DIM), (HEAD_DIM, HEAD_DIM)):
+        ids = torch.randint(0, 50, (batch, seq))
+        with torch.no_grad():
+            torch.testing.assert_close(forward(ids), model(ids), rtol=1e-5, atol=1e-5)
+        assert len(backend.reports) == 1 or batch == HEAD_DIM
+    static, dynamic = backend.reports  # the second shape: Dynamo's recompile with dynamic sizes
+    for report in (static, dynamic):
+        assert report.cut, report.reason
+        assert report.reduced_layers == ["sdpa_1", "sdpa_2"]
+    assert static.prompt_len == DIM  # the FLOPs estimate at the graph's own length
+    assert not static.rows_symbol.free_symbols and dynamic.rows_symbol.free_symbols
+
+
+def test_int_k_made_dynamic_over_static_shapes_is_cut():
+    """A second k at the same shape: Dynamo makes k a SymInt and keeps the sizes static."""
+    torch.manual_seed(0)
+    model = KeepArgument(keep=1, fused=False).eval()
+    backend = fx_fastprefill.backend(compiler="eager")
+    forward = torch.compile(model, backend=backend)
+    ids = torch.randint(0, 50, (2, 11))
+    for keep in (3, 2, 4):
+        with torch.no_grad():
+            torch.testing.assert_close(forward(ids, keep), model(ids, keep), rtol=1e-5, atol=1e-5)
+    constant, symbolic = backend.reports
+    assert constant.cut and constant.row_selection.startswith("the last 3 rows of each sequence")
+    assert symbolic.cut and "k given at run time" in symbolic.row_selection, symbolic.reason
+    assert not symbolic.rows_symbol.free_symbols

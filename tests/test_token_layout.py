@@ -18,8 +18,15 @@ CASES = [
     ("rows of a merged batch back", [B * S, I(4)], Layout(0, outer=B), [B, S, I(4)], S, Layout(1)),
     ("leading unit dim", [T, I(4)], Layout(0), [I(1), T, I(4)], T, Layout(1)),
     ("split the row count itself", [T * 2, I(4)], Layout(0), [T, I(2), I(4)], T, None),
-    ("rows on two dims", [T, T], Layout(0), [T, T], T, None),
+    ("a second dim of T rows (keys): found by position", [T, T], Layout(0), [T, T], T, Layout(0)),
     ("rows gone", [T, I(4)], Layout(0), [T * 4], S, None),
+    # Static shapes: the row count is a number; the dim is found by position, not by an equal size.
+    ("static: merge a batch dim before", [I(2), I(8), I(8)], Layout(1), [I(16), I(8)], I(8), Layout(0, outer=I(2))),
+    ("static: split trailing, sizes collide", [I(8), I(8)], Layout(0), [I(8), I(2), I(4)], I(8), Layout(0)),
+    ("static: trailing dim equal to rows", [I(2), I(8), I(8)], Layout(1), [I(2), I(8), I(8)], I(8), Layout(1)),
+    ("static: merge trailing dims", [I(8), I(8)], Layout(0), [I(64)], I(8), Layout(0, inner=I(8))),
+    ("static: unit dims around", [I(8), I(4)], Layout(0), [I(1), I(8), I(1), I(4)], I(8), Layout(1)),
+    ("static: split the row count", [I(8), I(4)], Layout(0), [I(4), I(2), I(4)], I(8), None),
 ]
 
 

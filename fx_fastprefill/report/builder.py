@@ -10,7 +10,7 @@ import re
 
 from torch.fx import GraphModule, Node
 
-from fx_fastprefill.ops.schema import (ATTENTION_OP, K, KV_SOURCE, LAYER, SDPA_K, SDPA_LAYER, SDPA_OP, SDPA_V, V,
+from fx_fastprefill.ops.schema import (ATTENTION_OP, K, KV_SOURCE, LAYER, V,
                                        WRITE_KV_OP)
 from fx_fastprefill.passes.attention_nodes import find_attention_nodes
 from fx_fastprefill.passes.fx_utils import innermost_module, size_names
@@ -44,7 +44,7 @@ def describe(node: Node, report: FastPrefillReport) -> str:
 def kv_consumers(gm: GraphModule) -> dict[Node, list[str]]:
     """For every node, the layers whose own K/V (the values written to the KV cache) it feeds."""
     feeds: dict[Node, list[str]] = {}
-    sdpa_owners = {a.node for a in find_attention_nodes(gm.graph) if a.node.target is SDPA_OP and not a.shares_kv}
+    dataflow_owners = {a.node: a for a in find_attention_nodes(gm.graph) if a.keys is not None and not a.shares_kv}
     for node in gm.graph.nodes:
         is_write = node.op == "call_function" and node.target is WRITE_KV_OP
         owns_kv = node.op == "call_function" and node.target is ATTENTION_OP and node.args[KV_SOURCE] is None
@@ -52,8 +52,9 @@ def kv_consumers(gm: GraphModule) -> dict[Node, list[str]]:
             layer = node.args[2] if is_write else node.args[LAYER]
             stack = [a for a in (node.args[0], node.args[1]) if isinstance(a, Node)] if is_write else \
                 [a for a in (node.args[K], node.args[V]) if isinstance(a, Node)]
-        elif node in sdpa_owners:
-            layer, stack = node.args[SDPA_LAYER], [node.args[SDPA_K], node.args[SDPA_V]]
+        elif node in dataflow_owners:  # sdpa or eager attention: K/V are its arguments
+            owner = dataflow_owners[node]
+            layer, stack = owner.layer, [owner.keys, owner.values]
         else:
             continue
         seen: set[Node] = set()
@@ -128,6 +129,8 @@ def build_report(ctx, input_names: dict, cudagraphs: bool, fallbacks) -> FastPre
     if plan is None:
         return report
     report.rows_symbol, report.reduced_rows_symbol = plan.rows, plan.reduced_rows
+    if plan.rows.is_number:  # static shapes: the graph's own prompt length (passes/flops.py)
+        report.prompt_len = int(plan.rows)
     report.placeholder_names.update({n: names.get(n, n.name) for n in ctx.gm.graph.nodes if n.op == "placeholder"})
     feeds_kv = kv_consumers(ctx.gm)
     report.stops = [hoist_stop(stop, report, feeds_kv) for stop in plan.stops]

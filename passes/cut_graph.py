@@ -24,7 +24,7 @@ from fx_fastprefill.ops.schema import QUERY_ROWS
 from .fx_utils import downstream, placeholders, size_sources
 from .gather_hoisting import HoistPlan
 from .hoist_rules import REDUCED_SIZE
-from .token_layout import Layout, shape_exprs
+from .token_layout import Layout, is_factor, shape_exprs
 
 aten = torch.ops.aten
 
@@ -133,6 +133,9 @@ class _ReducedSizes:
         static = isinstance(val, int) and self.plan.rows.is_number  # static shapes: outer * T * inner
         expr = val.node.expr if isinstance(val, torch.SymInt) else sympy.Integer(val) if static else None
         factor = sympy.simplify(expr / self.plan.rows) if expr is not None else None
+        if factor is not None and not factor.is_Integer and is_factor(factor, self.plan.rows):
+            # T times other sizes (B * T * k pairs): spelled from the graph's own sizes.
+            return self.sizes(self.plan.reduced_rows * factor, node, REDUCED_SIZE_NODE)
         if factor is None or not factor.is_Integer:
             return -1  # inferred from the other sizes
         return self._node_for(int(factor), node)
@@ -218,7 +221,9 @@ def cut_graph(gm: GraphModule, plan: HoistPlan) -> list[Node]:
     gm.graph.lint()
     gm.recompile()
     new_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and "val" not in n.meta]
-    refresh_fake_values(gm, gathers + new_nodes)
+    # Nodes whose sizes were rewritten, with no gathered input (an empty tensor, an arange of R * k).
+    resized = [node for node, result in plan.rules.items() if result.arg_rewrites]
+    refresh_fake_values(gm, gathers + new_nodes + resized)
     return gathers
 
 

@@ -269,6 +269,9 @@ def analyze(gm: GraphModule) -> HoistPlan:
             continue
         plan.region[node] = layout
         plan.rules[node] = result
+        for member, member_result in result.absorbed.items():  # a block rule's other nodes
+            plan.region[member] = layout
+            plan.rules[member] = member_result
         for req in result.requirements:
             if req.layout is None:
                 needed_whole.setdefault(req.node, (f"needed whole by {node.name} ({node.target})", node))

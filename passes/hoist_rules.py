@@ -30,6 +30,7 @@ from fx_fastprefill.ops.schema import (ATTENTION_OP, K, KV_WRITTEN, Q, QUERY_ROW
                                        SDPA_OP, SDPA_Q, SDPA_QUERY_SUFFIX, SDPA_V, V)
 
 from .fx_utils import reaches_end
+from .sorted_dispatch import sorted_dispatch
 from .token_layout import Layout, depends_on, map_view_layout, shape_exprs
 
 aten = torch.ops.aten
@@ -51,6 +52,8 @@ class RuleResult:
     requirements: list[Requirement] = field(default_factory=list)
     arg_rewrites: dict[Path, Any] = field(default_factory=dict)
     set_query_rows: bool = False
+    # A block rule's other nodes (passes/sorted_dispatch.py): they join the region with this node.
+    absorbed: dict[Node, "RuleResult"] = field(default_factory=dict)
 
 
 RuleFn = Callable[[Node, Layout, sympy.Symbol], "RuleResult | str"]
@@ -386,6 +389,44 @@ def _index_select(node, layout, rows):
     if _norm_dim(dim, len(_shape(src))) == layout.axis:
         return "index_select along the token dim"
     return RuleResult([Requirement(("args", 0), src, layout), Requirement(("args", 2), index, None)])
+
+
+@rule(aten.index.Tensor)
+def _index(node, layout, rows):
+    """``src[..., idx, ...]`` by one index tensor at dim ``d``: the output's dims ``d .. d + idx.dim()``
+    are the index's. Rows there are the index's rows (a table looked up per row: an embedding, MoE
+    expert weights by each row's expert ids); the looked-up tensor is needed whole. Rows elsewhere
+    are the source's rows, the index whole. An index that undoes a sort is a block of its own
+    (passes/sorted_dispatch.py)."""
+    block = sorted_dispatch(node, layout, rows, lookup_rule)
+    if block is not None:
+        return block
+    src, indices = node.args
+    picked = [(d, ix) for d, ix in enumerate(indices) if ix is not None]
+    if len(picked) != 1 or not isinstance(picked[0][1], Node):
+        return "advanced indexing by more than one index tensor"
+    d, index = picked[0]
+    width = len(_shape(index))
+    if d <= layout.axis < d + width:
+        return RuleResult([Requirement(("args", 0), src, None),
+                           Requirement(("args", 1, d), index, layout.moved(layout.axis - d))])
+    axis = layout.axis if layout.axis < d else layout.axis - width + 1
+    return RuleResult([Requirement(("args", 0), src, layout.moved(axis)), Requirement(("args", 1, d), index, None)])
+
+
+@rule(aten.topk.default, aten.sort.default, aten.sort.stable)
+def _along_one_dim(node, layout, rows):
+    """top-k or sort within each row (a router's top-k experts): row-wise unless along the token dim."""
+    src = node.args[0]
+    if node.target is aten.topk.default:
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    elif node.target is aten.sort.stable:
+        dim = node.kwargs.get("dim", -1)
+    else:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+    if _norm_dim(dim, len(_shape(src))) == layout.axis:
+        return f"{node.target} along the token dim"
+    return RuleResult([Requirement(("args", 0), src, layout)])
 
 
 @rule(aten.split.Tensor, aten.split_with_sizes.default, aten.native_layer_norm.default)

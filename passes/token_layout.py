@@ -81,12 +81,12 @@ def map_view_layout(src_shape: Sequence[sympy.Expr], src: Layout, dst_shape: Seq
             continue
         outer = sympy.simplify(prefix / _prod(dst_shape[:axis]))
         inner = sympy.simplify(block / _prod(dst_shape[axis + 1:]))
-        if all(_is_factor(f, rows) for f in (outer, inner)) and sympy.simplify(size - outer * rows * inner) == 0:
+        if all(is_factor(f, rows) for f in (outer, inner)) and sympy.simplify(size - outer * rows * inner) == 0:
             found.append(Layout(axis, inner, outer))
     return found[0] if len(found) == 1 else None
 
 
-def _is_factor(factor: sympy.Expr, rows: sympy.Expr) -> bool:
+def is_factor(factor: sympy.Expr, rows: sympy.Expr) -> bool:
     """A grouping factor: a positive integer or a product of sizes, free of the row count."""
     if not rows.is_number and rows in factor.free_symbols:
         return False

@@ -38,7 +38,8 @@ from fx_fastprefill.passes.split_regions import split_regions
 log = logging.getLogger("fx_fastprefill")
 
 DUMP_ENV = "FX_FASTPREFILL_DUMP_GRAPHS"
-NO_ATTENTION = "the graph has no attention the pass knows (fx_fastprefill.attention, or SDPA in a transformers model)"
+NO_ATTENTION = ("the graph has no attention the pass knows (fx_fastprefill.attention, SDPA, or eager attention: "
+                "Q @ K^T -> softmax -> @ V)")
 HOIST_STOPPED = "the hoist stopped before any attention layer"
 _graph_ids = itertools.count()
 

@@ -1,0 +1,114 @@
+"""Differential fuzzing on unmodified transformers models: random Gemma 3n, Gemma 4 and Llama-family
+configs x random left-padded batches, compiled once with ``dynamic=True``, with and without the pass.
+
+Profiles as in tests/test_fuzz.py: ``ci`` (the default, a few examples) and ``long`` (by hand:
+``HYPOTHESIS_PROFILE=long pytest tests/test_fuzz_transformers.py``). Each example requires equal
+logits on every batch, one compiled graph for all of them, the cut, the shared layers eligible
+and reduced (Gemma), and the last layer reduced (dense models).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fx_fastprefill
+from examples import hf_gemma3n, hf_gemma4
+from examples.hf_check import left_padded_batch
+
+pytest.importorskip("transformers")
+
+settings.register_profile("ci", max_examples=3, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+TYPES = ("sliding_attention", "full_attention")
+VOCAB = 128
+
+
+@st.composite
+def gemma_configs(draw, family: str) -> dict:
+    n = draw(st.integers(3, 6))
+    shared = draw(st.integers(1, n - 2))
+    types = [draw(st.sampled_from(TYPES)) for _ in range(n)]
+    if family == "gemma4":
+        types[-1] = "full_attention"  # Gemma 4 requires it (and would force it)
+    for kind in set(types[n - shared:]):  # a shared layer reads the last earlier layer of its type
+        if kind not in types[: n - shared]:
+            types[draw(st.integers(0, n - shared - 1))] = kind
+    kv_heads = draw(st.sampled_from([1, 2, 4]))
+    values = dict(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, num_hidden_layers=n,
+                  num_kv_shared_layers=shared, layer_types=types, num_attention_heads=4, num_key_value_heads=kv_heads,
+                  head_dim=draw(st.sampled_from([8, 16])), sliding_window=draw(st.integers(2, 8)))
+    if family == "gemma3n":
+        values["activation_sparsity_pattern"] = [0.0] * n
+    else:
+        values["global_head_dim"] = draw(st.sampled_from([16, 32]))
+    return values
+
+
+@st.composite
+def llama_configs(draw) -> dict:
+    values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=draw(st.integers(1, 4)),
+                  num_attention_heads=4, num_key_value_heads=draw(st.sampled_from([1, 2, 4])),
+                  head_dim=draw(st.sampled_from([8, 16])), bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    family = draw(st.sampled_from(["LlamaConfig", "MistralConfig", "Qwen3Config"]))
+    if family == "MistralConfig":
+        values["sliding_window"] = draw(st.integers(2, 8))
+    return {"family": family, **values}
+
+
+def build(family: str, values: dict) -> torch.nn.Module:
+    if family == "gemma3n":
+        return hf_gemma3n.tiny(**values)
+    if family == "gemma4":
+        return hf_gemma4.tiny(**values)
+    import transformers
+    config_name = values.pop("family")
+    config = getattr(transformers, config_name)(**values)
+    return getattr(transformers, config_name.replace("Config", "ForCausalLM"))._from_config(config).eval()
+
+
+configs = st.one_of(
+    st.tuples(st.just("gemma3n"), gemma_configs("gemma3n")),
+    st.tuples(st.just("gemma4"), gemma_configs("gemma4")),
+    st.tuples(st.just("llama"), llama_configs()),
+)
+batches = st.lists(st.tuples(st.lists(st.integers(3, 14), min_size=2, max_size=3), st.integers(2, 4)),
+                   min_size=1, max_size=3)
+
+
+@given(configs, batches, st.integers(0, 2**16))
+def test_random_transformers_models_and_batches_match_without_the_pass(family_and_config, draws, seed):
+    family, values = family_and_config
+    layers = values["num_hidden_layers"]
+    torch.manual_seed(seed)
+    model = build(family, dict(values))
+    backend = fx_fastprefill.backend(compiler="eager")
+    torch._dynamo.reset()
+    forward = torch.compile(model, backend=backend, dynamic=True)
+    # The first batch has distinct sizes (batch 2, width 7, k 3): Dynamo keeps them apart, so one
+    # graph serves every later batch, whatever its sizes.
+    for b, (lengths, keep) in enumerate([([5, 7], 3), *draws]):
+        ids, mask = left_padded_batch(lengths, VOCAB, pad_id=0, seed=seed + b)
+        keep = min(keep, max(lengths) - 1)  # k of every row is Dynamo's own graph (and nothing to cut)
+        with torch.no_grad():
+            out = forward(input_ids=ids, attention_mask=mask, logits_to_keep=keep, use_cache=False).logits
+            ref = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep, use_cache=False).logits
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert len(backend.reports) == 1, "a batch recompiled"
+    report = backend.reports[0]
+    assert report.cut, report.reason
+    names = [f"model.layers.{i}.self_attn" for i in range(layers)]
+    if family == "llama":
+        assert report.eligible_layers == [] and report.reduced_layers == names[-1:]
+    else:
+        shared = names[layers - values["num_kv_shared_layers"]:]
+        assert report.eligible_layers == shared
+        assert set(shared) <= set(report.reduced_layers), report.reduced_layers

@@ -273,8 +273,9 @@ def analyze(gm: GraphModule) -> HoistPlan:
             plan.region[member] = layout
             plan.rules[member] = member_result
         for req in result.requirements:
+            user = req.user or node
             if req.layout is None:
-                needed_whole.setdefault(req.node, (f"needed whole by {node.name} ({node.target})", node))
+                needed_whole.setdefault(req.node, (f"needed whole by {user.name} ({user.target})", user))
             else:
-                requested[req.node][req.layout].append((node, req.path))
+                requested[req.node][req.layout].append((user, req.path))
     return plan

@@ -45,6 +45,7 @@ class Requirement:
     path: Path
     node: Node
     layout: Layout | None  # None: needed whole
+    user: Node | None = None  # whose argument ``path`` is, when not the rule's node (a block rule's)
 
 
 @dataclass

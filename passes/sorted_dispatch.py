@@ -20,7 +20,10 @@ Invariants:
 - Matched only from ``x[inv]`` where ``inv`` inverts the permutation of a 1-D ``sort``; every block
   node's users are in the block or are ``x[inv]`` itself (nothing else sees the sorted order).
 - In the sorted order, a node is pair-wise when its ordinary hoisting rule proves it row-wise on
-  dim 0, or it is a grouped matmul whose offsets are the cumulative histogram of the sorted ids.
+  dim 0 with the pairs' layout, or it is a grouped matmul whose offsets are the cumulative
+  histogram of the sorted ids.
+- The block's inputs are requirements of the block nodes that read them (``Requirement.user``):
+  a boundary gather replaces that node's argument, not one of ``y``'s.
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ def sorted_dispatch(y: Node, layout: Layout, rows, lookup_rule):
         if rewrites is None:
             return "the experts' sorted dispatch: its pair count is not a multiple of the row count"
         block[counted] = RuleResult(arg_rewrites=rewrites)
-    result = RuleResult([Requirement(("args", 0), sort.args[0], layout)])
+    result = RuleResult([Requirement(("args", 0), sort.args[0], layout, sort)])
     stack = [x]
     while stack:
         node = stack.pop()
@@ -135,7 +138,7 @@ def sorted_dispatch(y: Node, layout: Layout, rows, lookup_rule):
                 block[node] = RuleResult()
                 if index is not perm:
                     block[index] = RuleResult()
-                result.requirements.append(Requirement(("args", 0), source, gathered))
+                result.requirements.append(Requirement(("args", 0), source, gathered, node))
                 continue
         if _is_grouped_mm(node):
             chain = _offsets_of_sorted_ids(node.args[2], sort)
@@ -143,7 +146,7 @@ def sorted_dispatch(y: Node, layout: Layout, rows, lookup_rule):
                 return f"the experts' sorted dispatch: {node.target}'s offsets are not the sorted ids' histogram"
             block[node] = RuleResult()
             block.update((c, RuleResult()) for c in chain)
-            result.requirements.append(Requirement(("args", 1), node.args[1], None))
+            result.requirements.append(Requirement(("args", 1), node.args[1], None, node))
             stack.append(node.args[0])
             continue
         fn = lookup_rule(node) if node.op == "call_function" else None
@@ -153,7 +156,9 @@ def sorted_dispatch(y: Node, layout: Layout, rows, lookup_rule):
         block[node] = pair_wise
         for req in pair_wise.requirements:
             if req.layout is None:
-                result.requirements.append(req)
+                result.requirements.append(Requirement(req.path, req.node, None, node))
+            elif req.layout != layout:  # a view that regroups the pairs: no longer one pair per row
+                return f"the experts' sorted dispatch: {node.name} ({node.target}) regroups the pairs"
             else:
                 stack.append(req.node)
     members = set(block) | {y}

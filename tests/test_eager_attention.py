@@ -73,8 +73,7 @@ def test_a_matmul_softmax_matmul_without_exp_is_not_attention():
     assert find_attention_nodes(gm.graph) == []
 
 
-@pytest.mark.parametrize("softcap", [None, 30.0])
-@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("softcap, dynamic", [(None, False), (30.0, False), (30.0, True)])
 def test_eager_attention_is_cut_and_matches(softcap, dynamic):
     torch.manual_seed(0)
     model = EagerShared(softcap).eval()

@@ -22,7 +22,7 @@ from examples.hf_check import left_padded_batch
 
 pytest.importorskip("transformers")
 
-settings.register_profile("ci", max_examples=3, deadline=None, derandomize=True,
+settings.register_profile("ci", max_examples=2, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("long", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -43,28 +43,31 @@ class SortedExperts(nn.Module):
 class MoEShared(nn.Module):
     """Three SDPA layers with MoE feed-forwards; the last layer reads layer 1's K/V."""
 
-    def __init__(self, mix_pairs: bool = False):
+    def __init__(self, mix_pairs: bool = False, last_reads_embedding: bool = False):
         super().__init__()
+        self.last_reads_embedding = last_reads_embedding
         self.embed, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB)
         self.qkv = nn.ModuleList(nn.Linear(DIM, 3 * DIM) for _ in range(3))
         self.moe = nn.ModuleList(SortedExperts(mix_pairs) for _ in range(3))
 
     def forward(self, ids, keep: int = 1):
         batch = ids.shape[0]
-        h = self.embed(ids)
+        h = embedding = self.embed(ids)
         kv = None
         for i in range(3):
             q, k, v = self.qkv[i](h).view(batch, -1, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
             kv = (k, v) if i < 2 else kv
             h = h + F.scaled_dot_product_attention(q, *kv, is_causal=True).transpose(1, 2).reshape(h.shape)
-            h = h + self.moe[i](h)
+            # The last layer's experts may read the embedding, which every row's K/V needs: the
+            # dispatch then reads a boundary tensor, gathered for the dispatch's own gather.
+            h = h + self.moe[i](embedding if i == 2 and self.last_reads_embedding else h)
         return self.head(h[:, -keep:])
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_sorted_dispatch_is_row_wise_as_a_block(dynamic):
+@pytest.mark.parametrize("dynamic, last_reads_embedding", [(False, False), (True, False), (False, True)])
+def test_sorted_dispatch_is_row_wise_as_a_block(dynamic, last_reads_embedding):
     torch.manual_seed(0)
-    model = MoEShared().eval()
+    model = MoEShared(last_reads_embedding=last_reads_embedding).eval()
     backend = fx_fastprefill.backend(compiler="eager")
     forward = torch.compile(model, backend=backend, dynamic=dynamic)
     for keep in (1, 3):

@@ -9,9 +9,9 @@ Three kinds of attention node:
   is the first layer that used them.
 - eager attention (``attn_implementation="eager"``), recognised by its pattern: ``bmm(Q, K^T)``,
   then elementwise ops (scale, softcap, mask) and views, a softmax over the keys (decomposed or
-  not), then ``bmm(P, V)``. The node is the second ``bmm``; the relation is dataflow, as for sdpa. Nothing
-  is rewritten: the hoist passes the pattern with its generic rules (queries' rows, keys and
-  values whole, the mask gathered on its query dim), which is exact for any row selection.
+  not), then ``bmm(P, V)``. The node is the second ``bmm``; the relation is dataflow, as for
+  sdpa. Nothing is rewritten: the hoist passes the pattern with its generic rules (queries' rows,
+  keys and values whole, the mask gathered on its query dim), exact for any row selection.
 
 Invariants: reads only.
 """
@@ -63,11 +63,9 @@ def kv_root(node: Node) -> Node:
     return node
 
 
-# Ops between the scores bmm and the softmax, or the softmax and the output bmm, in eager attention.
+# Eager attention: the views and casts between its two bmms, and the softmax (whole or decomposed).
 _SCORE_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
                 aten.clone.default, prims.convert_element_type.default, aten._to_copy.default}
-
-
 _SOFTMAX_PARTS = {aten._softmax.default, aten.amax.default, aten.sum.dim_IntList}
 
 

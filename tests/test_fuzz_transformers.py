@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 
 settings.register_profile("ci", max_examples=2, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("long", max_examples=60, deadline=None,
+settings.register_profile("long", max_examples=30, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

@@ -10,8 +10,7 @@ import re
 
 from torch.fx import GraphModule, Node
 
-from fx_fastprefill.ops.schema import (ATTENTION_OP, K, KV_SOURCE, LAYER, V,
-                                       WRITE_KV_OP)
+from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_SOURCE, LAYER, V, WRITE_KV_OP
 from fx_fastprefill.passes.attention_nodes import find_attention_nodes
 from fx_fastprefill.passes.fx_utils import innermost_module, size_names
 from fx_fastprefill.passes.fx_utils import op_name as target_name

@@ -4,6 +4,7 @@ backend the ways people write it; each form checked against eager transformers.
     python examples/hf_zoo.py                 # every architecture x every form, as a table
     python examples/hf_zoo.py llama gemma2    # some architectures
     python examples/hf_zoo.py --json zoo.json # the records as JSON
+    python examples/hf_zoo.py --table zoo.json  # a saved run as a markdown table
 
 A record says whether the graph that served the call was cut, which attention layers run on the
 logits rows only, and the relative error of the logits against the same model without the pass.
@@ -140,6 +141,20 @@ def run_form(name: str, form: Form, compiler: str = "eager") -> Record:
                   report.reason, round(seconds, 1))
 
 
+def markdown_table(records: list[dict]) -> str:
+    """Architecture x form: cut, reduced / attention layers, relative error."""
+    forms = list(dict.fromkeys(r["form"] for r in records))
+    lines = ["| architecture | " + " | ".join(forms) + " |", "|---|" + "---|" * len(forms)]
+    for name in dict.fromkeys(r["architecture"] for r in records):
+        cells = []
+        for form in forms:
+            r = next((r for r in records if r["architecture"] == name and r["form"] == form), None)
+            cells.append("" if r is None else f"{'cut' if r['cut'] else 'NOT CUT'} {r['reduced_layers']}/"
+                         f"{r['attention_layers']}, {r['relative_error']:.1e}")
+        lines.append(f"| {name} ({ARCHITECTURES[name][0]}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("architectures", nargs="*", choices=[[], *ARCHITECTURES], default=[],
@@ -147,7 +162,11 @@ def main() -> None:
     parser.add_argument("--forms", nargs="*", choices=list(FORMS), default=list(FORMS))
     parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"])
     parser.add_argument("--json", help="write the records to this file")
+    parser.add_argument("--table", metavar="JSON", help="print a saved run as a markdown table, and exit")
     args = parser.parse_args()
+    if args.table:
+        print(markdown_table(json.loads(Path(args.table).read_text())["records"]))
+        return
     records = []
     print(f"{'architecture':24} {'form':46} {'cut':4} {'reduced':>9} {'rel. error':>10} {'s':>6}")
     for name in args.architectures or ARCHITECTURES:

@@ -92,9 +92,11 @@ def op_name(target: object) -> str:
 
 def module_path(stack_key: str) -> str:
     """A Dynamo module path as the user spells it in ``named_modules()``:
-    ``L['self'].model.layers[7].self_attn`` -> ``model.layers.7.self_attn``."""
-    name = re.sub(r"^L\['[^']*'\]\.?", "", stack_key).replace("L__self___", "")
-    name = re.sub(r"\._modules\['([^']+)'\]", r".\1", name)
+    ``L['self'].model.layers[7].self_attn`` -> ``model.layers.7.self_attn``. The root is dropped
+    however Dynamo reached the model: ``L['self']``, ``L['args'][0]`` (traced from ``__call__``),
+    a global ``G['model']``."""
+    name = re.sub(r"\._modules\['([^']+)'\]", r".\1", stack_key)
+    name = re.sub(r"^[LG]\['[^']*'\](\[\d+\])*\.?", "", name).replace("L__self___", "")
     name = re.sub(r"\[(\d+)\]", r".\1", name)
     return name.strip(".")
 

@@ -15,6 +15,7 @@ from fx_fastprefill.compilation.pipeline import (PIPELINE, Decline, PassContext,
                                                  run_pipeline)
 from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_WRITTEN, QUERY_ROWS, V, WRITE_KV_OP
 from fx_fastprefill.passes.cut_graph import BOUNDARY_GATHER, cut_graph
+from fx_fastprefill.passes.fx_utils import module_path
 from fx_fastprefill.passes.gather_hoisting import analyze
 from fx_fastprefill.passes.link_kv_sources import link_kv_sources
 from fx_fastprefill.passes.split_regions import FULL, REDUCED, split_regions
@@ -165,3 +166,10 @@ def test_the_passes_load_no_kernel_runtime_or_inductor():
               "'torch._inductor.compile_fx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("key", ["L['self'].model.layers[7].self_attn", "L['args'][0].model.layers[7].self_attn",
+                                 "G['model'].model.layers.7.self_attn",
+                                 "L['self']._modules['model']._modules['layers'][7].self_attn"])
+def test_module_paths_drop_dynamos_root_however_it_reached_the_model(key):
+    assert module_path(key) == "model.layers.7.self_attn"

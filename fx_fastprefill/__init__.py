@@ -46,6 +46,8 @@ _EXPORTS = {
     "step_context": "fx_fastprefill.runtime.step_context",
     "current_step": "fx_fastprefill.runtime.step_context",
     "FastPrefillReport": "fx_fastprefill.report.report",
+    "compile_for_generate": "fx_fastprefill.integrations.generate",
+    "restore": "fx_fastprefill.integrations.generate",
 }
 __all__ = list(_EXPORTS)
 

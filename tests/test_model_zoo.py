@@ -1,6 +1,6 @@
 """The transformers model zoo (examples/hf_zoo.py) in CI: every architecture compiled as a module
 with default (static) shapes; every other form on a rotating share of the architectures (all of
-them by hand: ``python examples/hf_zoo.py``); greedy ``generate`` on a few. Each run must be cut,
+them by hand: ``python examples/hf_zoo.py``); ``generate`` is in test_generate.py. Each run must be cut,
 reduce at least the last attention layer, and match eager transformers (relative error <= 1e-4,
 fp32). The Inductor-free ``compiler="eager"`` is used: what is checked is the graph the pass
 makes, not Inductor's code for it."""
@@ -8,12 +8,9 @@ makes, not Inductor's code for it."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
-import fx_fastprefill  # noqa: E402
-from examples.hf_check import greedy, left_padded_batch  # noqa: E402
 from examples.hf_zoo import ARCHITECTURES, FORMS, run_form  # noqa: E402
 
 NAMES = list(ARCHITECTURES)
@@ -23,7 +20,6 @@ OTHER_FORMS = [form for form in FORMS if form != "module"]
 # the transformers fuzz profile compiles Gemma 4 with dynamic=True anyway).
 CHEAPER = {"gemma4": "module_k3_padded"}
 ROTATION = [(name, CHEAPER.get(name, OTHER_FORMS[i % len(OTHER_FORMS)])) for i, name in enumerate(NAMES)]
-GREEDY = ["llama", "mixtral", "gemma3n"]  # dense, MoE, KV sharing
 
 
 def check(record) -> None:
@@ -47,16 +43,3 @@ def test_the_rotation_covers_every_form_and_kind():
     assert forms == set(OTHER_FORMS)
     for form in OTHER_FORMS:
         assert sum(f == form for _, f in ROTATION) >= 5, form
-
-
-@pytest.mark.parametrize("name", GREEDY)
-def test_greedy_generation_matches(name):
-    """``generate`` with the compiled module as its forward: the prefill cut, the same tokens."""
-    torch.manual_seed(0)
-    model = ARCHITECTURES[name][1]()
-    backend = fx_fastprefill.backend(compiler="eager")
-    torch._dynamo.reset()
-    forward = torch.compile(model.forward, backend=backend)
-    ids, mask = left_padded_batch([9, 5], model.config.get_text_config().vocab_size, pad_id=0, seed=3)
-    assert torch.equal(greedy(model, forward, ids, mask, 6), greedy(model, None, ids, mask, 6))
-    assert backend.reports[0].cut, backend.reports[0].reason

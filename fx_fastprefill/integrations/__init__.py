@@ -1,0 +1,1 @@
+"""Ways into the backend from other stacks' entry points (transformers ``generate``)."""

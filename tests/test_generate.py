@@ -1,0 +1,119 @@
+"""``compile_for_generate``: transformers' own ``model.generate`` with the prefill cut by the pass
+and the decode steps compiled. Tokens equal to the same model's uncompiled ``generate`` (fp32,
+random weights, left-padded batches), greedy and sampled, with a static cache and a DynamicCache;
+no graph compiled after the first prompt length; the prefill graph cut; ``restore`` undoes it all.
+
+Decode graphs are compiled with ``decode_backend="eager"`` (Dynamo's graph run as is, no Inductor
+on the CPU); the prefill regions with ``compiler="eager"``: what is checked is the dispatch, the
+graphs the pass makes and that nothing recompiles."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import fx_fastprefill  # noqa: E402
+from examples.hf_check import left_padded_batch  # noqa: E402
+from examples.hf_zoo import ARCHITECTURES  # noqa: E402
+from fx_fastprefill.integrations.generate import DECODE, PREFILL  # noqa: E402
+
+# Five prompt lengths, all longer than the tiny Gemmas' sliding window (8): transformers takes
+# another branch (another graph) for a prompt that fits in the window.
+LENGTHS = [10, 14, 11, 18, 12]
+CASES = [("gemma3n", "static"), ("gemma3n", "dynamic"), ("gemma4_no_hand_slicing", "static"),
+         ("gemma4", "dynamic"), ("llama", "static"), ("llama", "dynamic")]
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    return ARCHITECTURES[name][1]()
+
+
+def _generate(model, lengths, cache: str, seed: int, sample: bool = False):
+    ids, mask = left_padded_batch(lengths, model.config.get_text_config().vocab_size, pad_id=0, seed=seed)
+    torch.manual_seed(seed)
+    kwargs = dict(do_sample=True, top_k=0, temperature=1.0) if sample else dict(do_sample=False)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, pad_token_id=0,
+                              cache_implementation=cache, **kwargs)
+
+
+@pytest.mark.parametrize("name, cache", CASES, ids=[f"{n}-{c}" for n, c in CASES])
+def test_generate_matches_and_compiles_once(name, cache):
+    model = _model(name)
+    batches = [[n, max(2, n - 3)] for n in LENGTHS]
+    expected = [_generate(model, lengths, cache, seed) for seed, lengths in enumerate(batches)]
+    torch._dynamo.reset()
+    fx_fastprefill.compile_for_generate(model, compiler="eager", decode_backend="eager")
+    handle = model.fx_fastprefill
+    compiles_after_first = None
+    for seed, (lengths, want) in enumerate(zip(batches, expected)):
+        assert torch.equal(_generate(model, lengths, cache, seed), want), (seed, lengths)
+        if compiles_after_first is None:
+            compiles_after_first = handle.compiles
+    assert handle.compiles == compiles_after_first, "a later prompt length recompiled"
+    assert handle.compiles[PREFILL] == 1
+    # Static cache: the decode graphs (Dynamo's first step, then the symbolic one); DynamicCache: uncompiled.
+    assert (handle.compiles[DECODE] >= 1) if cache == "static" else (handle.compiles[DECODE] == 0)
+    assert handle.calls == {PREFILL: len(LENGTHS), DECODE: 4 * len(LENGTHS)}
+    prefill = handle.reports[0]
+    assert prefill.cut, prefill.reason
+    if name in ("gemma3n", "gemma4_no_hand_slicing"):  # the KV-shared layers run on the logits rows
+        assert set(prefill.eligible_layers) <= set(prefill.reduced_layers) and prefill.eligible_layers
+    else:  # Llama: the last layer's queries; Gemma 4 slices its shared layers itself, the pass the layer before
+        assert prefill.reduced_layers == ["model.layers.2.self_attn"]
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_sampling_matches(cache):
+    model = _model("llama")
+    expected = _generate(model, [10, 6], cache, seed=5, sample=True)
+    torch._dynamo.reset()
+    fx_fastprefill.compile_for_generate(model, compiler="eager", decode_backend="eager")
+    assert torch.equal(_generate(model, [10, 6], cache, seed=5, sample=True), expected)
+    assert model.fx_fastprefill.reports[0].cut
+
+
+def test_restore_puts_everything_back():
+    model = _model("llama")
+    config_before = (model.generation_config.cache_implementation, model.generation_config.disable_compile)
+    fx_fastprefill.compile_for_generate(model, compiler="eager", decode_backend="eager")
+    assert model.generation_config.cache_implementation == "static"
+    with pytest.raises(RuntimeError, match="already compiled for generate"):
+        fx_fastprefill.compile_for_generate(model)
+    handle = model.fx_fastprefill
+    fx_fastprefill.restore(model)
+    assert "forward" not in model.__dict__ and not hasattr(model, "fx_fastprefill")
+    assert (model.generation_config.cache_implementation, model.generation_config.disable_compile) == config_before
+    _generate(model, [6], "dynamic", seed=0)
+    assert handle.calls == {}, "generate after restore went through the compiled forward"
+    with pytest.raises(ValueError, match="not compiled for generate"):
+        fx_fastprefill.restore(model)
+
+
+def test_a_torch_compile_wrapper_is_unwrapped(caplog):
+    """``torch.compile(model).generate()`` would run the module uncompiled: compile_for_generate
+    compiles the module inside the wrapper, says so, and the wrapper's generate then runs it."""
+    model = _model("llama")
+    wrapper = torch.compile(model)
+    with caplog.at_level(logging.WARNING, logger="fx_fastprefill"):
+        compiled = fx_fastprefill.compile_for_generate(wrapper, compiler="eager", decode_backend="eager")
+    assert compiled is model
+    assert "torch.compile wrapper" in caplog.text
+    _generate(wrapper, [6, 4], "static", seed=1)
+    assert model.fx_fastprefill.calls[PREFILL] == 1
+
+
+def test_bad_arguments_are_named():
+    model = _model("llama")
+    with pytest.raises(TypeError, match="configure a new backend"):
+        fx_fastprefill.compile_for_generate(model, backend=fx_fastprefill.backend(), compiler="eager")
+    with pytest.raises(ValueError, match="cache_implementation"):
+        fx_fastprefill.compile_for_generate(model, cache_implementation="paged")
+    with pytest.raises(TypeError, match="generate"):
+        fx_fastprefill.compile_for_generate(torch.nn.Linear(2, 2))
+    assert "forward" not in model.__dict__

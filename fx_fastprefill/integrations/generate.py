@@ -100,6 +100,7 @@ class GenerateForward:
         mode = "reduce-overhead" if decode_backend == "inductor" and on_cuda else None
         self.decode_mode = mode
         self.static_decode = torch.compile(self.original, backend=decode_backend, mode=mode, dynamic=decode_dynamic)
+        self.prompt_dynamic = True  # mark prompt-length dims dynamic before a prefill call
         self.calls: Counter[str] = Counter()
         self.compiles: Counter[str] = Counter()
 
@@ -112,7 +113,8 @@ class GenerateForward:
             path, run = PREFILL, self.prefill
             if static:
                 self._initialize(cache, args, kwargs)
-            mark_prompt_dynamic(args, kwargs)
+            if self.prompt_dynamic:
+                mark_prompt_dynamic(args, kwargs)
         before = _graphs_compiled()
         out = run(*args, **kwargs)
         self.calls[path] += 1

@@ -113,6 +113,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--variants", default="")
+    parser.add_argument("--ttft-only", action="store_true",
+                        help="time generate(max_new_tokens=1) only: no decode step runs, none is compiled")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny shapes, 2 runs: the script runs")
     args = parser.parse_args()
     if args.smoke:
@@ -143,14 +145,18 @@ def main() -> None:
                       "device": torch.cuda.get_device_name() if cuda else "cpu"}
             try:
                 kwargs = prepare(model, variant, cuda)
-                record["first_generate_s"], out = timed_generate(model, ids, mask, args.new_tokens, cuda, **kwargs)
+                new_tokens = 1 if args.ttft_only else args.new_tokens
+                record["new_tokens"] = new_tokens
+                record["first_generate_s"], out = timed_generate(model, ids, mask, new_tokens, cuda, **kwargs)
                 record["first_generate_s"] /= 1e3
                 timed_generate(model, ids, mask, 1, cuda, **kwargs)  # a 1-token generate compiles nothing new
-                full = [timed_generate(model, ids, mask, args.new_tokens, cuda, **kwargs)[0] for _ in range(args.runs)]
                 first = [timed_generate(model, ids, mask, 1, cuda, **kwargs)[0] for _ in range(args.runs)]
-                record.update(ttft_ms=statistics.median(first), ttft_times_ms=first, generate_times_ms=full,
-                              decode_ms_per_token=(statistics.median(full) - statistics.median(first))
-                              / (args.new_tokens - 1))
+                record.update(ttft_ms=statistics.median(first), ttft_times_ms=first)
+                if not args.ttft_only:
+                    full = [timed_generate(model, ids, mask, new_tokens, cuda, **kwargs)[0] for _ in range(args.runs)]
+                    record.update(generate_times_ms=full, decode_ms_per_token=(statistics.median(full)
+                                                                              - statistics.median(first))
+                                  / (new_tokens - 1))
                 tokens[(batch, seq_len, variant)] = out[:, seq_len:].cpu()
                 reference = tokens.get((batch, seq_len, "compiled"))
                 if reference is not None:
@@ -158,7 +164,7 @@ def main() -> None:
                 handle = vars(model).get("fx_fastprefill")
                 if handle is not None:
                     record.update(calls=handle.calls, compiles=handle.compiles,
-                                  cut=[r.cut for r in handle.reports],
+                                  cut=[r.cut for r in handle.reports], reasons=[r.reason for r in handle.reports],
                                   reduced_layers=[len(r.reduced_layers) for r in handle.reports])
                 if cuda:
                     record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -30,6 +30,7 @@ aten = torch.ops.aten
 
 BOUNDARY_GATHER = "boundary_gather"
 REDUCED_SIZE_NODE = "reduced_size"  # sizes computed from logits_indices belong to the reduced region
+FULL_SIZE_NODE = "full_size"  # a size of the full graph an op of the reduced region reads (a query count)
 
 
 class CutError(Exception):
@@ -206,7 +207,9 @@ def cut_graph(gm: GraphModule, plan: HoistPlan) -> list[Node]:
     reduced_size = _ReducedSizes(gm, plan, sizes)
     for node, result in plan.rules.items():
         for path, value in result.arg_rewrites.items():
-            if value == REDUCED_SIZE:
+            if isinstance(value, sympy.Expr):  # a size of the full graph, spelled from its inputs
+                value = sizes(value, node, FULL_SIZE_NODE)
+            elif value == REDUCED_SIZE:
                 value = reduced_size(node, _get_arg(node, path))
             _set_arg(node, path, value)
         if result.set_query_rows:

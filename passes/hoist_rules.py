@@ -474,11 +474,14 @@ def _sdpa(node, layout, rows):
     if node.args[SDPA_QUERY_SUFFIX]:
         return "attention already runs on a subset of its queries"
     q, k, v, mask = (node.args[i] for i in (SDPA_Q, SDPA_K, SDPA_V, SDPA_MASK))
+    rewrites = {("args", SDPA_QUERY_SUFFIX): True}
     if node.args[SDPA_IS_CAUSAL] and sympy.simplify(_shape(q)[-2] - _shape(k)[-2]) != 0:
-        # SDPA aligns is_causal top-left; the suffix form aligns bottom-right: equal only when Lq == Lk.
-        return "causal attention with fewer queries than keys (top-left aligned)"
+        # Top-left causal over more keys than queries (a static cache's slots): the suffix call is
+        # told the full call's query count, and aligns its queries as their last rows.
+        # (A keyword: the aten trace drops the trailing default, and Inductor matches positions.)
+        rewrites[("kwargs", "causal_queries")] = _shape(q)[-2]
     result = RuleResult([Requirement(("args", SDPA_Q), q, layout), Requirement(("args", SDPA_K), k, None),
-                         Requirement(("args", SDPA_V), v, None)], {("args", SDPA_QUERY_SUFFIX): True})
+                         Requirement(("args", SDPA_V), v, None)], rewrites)
     if isinstance(mask, Node):
         mask_shape = _shape(mask)
         if len(mask_shape) < 2 or mask_shape[-2] == 1:

@@ -117,3 +117,16 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="generate"):
         fx_fastprefill.compile_for_generate(torch.nn.Linear(2, 2))
     assert "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma4_no_hand_slicing"])
+def test_one_unpadded_prompt_with_a_static_cache_is_cut(name):
+    """One prompt, no padding: transformers drops the mask and calls SDPA causal with the prompt's
+    queries against every slot of the static cache (top-left aligned); that call is cut too."""
+    model = _model(name)
+    expected = _generate(model, [13], "static", seed=7)
+    torch._dynamo.reset()
+    fx_fastprefill.compile_for_generate(model, compiler="eager", decode_backend="eager")
+    assert torch.equal(_generate(model, [13], "static", seed=7), expected)
+    report = model.fx_fastprefill.reports[0]
+    assert report.cut, report.reason

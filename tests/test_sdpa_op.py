@@ -35,3 +35,14 @@ def test_without_query_suffix_it_is_sdpa():
     # top-left causal, exactly as F.scaled_dot_product_attention does for Lq != Lk
     torch.testing.assert_close(sdpa(q, k, v, None, 0.0, True, None, False, "layer", False),
                                F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_suffix_of_top_left_causal_over_more_keys():
+    """A static cache's prefill: 6 queries from position 0 against 10 key slots, top-left causal.
+    The suffix call, told the full call had 6 queries, gives the full call's last rows."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    last2 = sdpa(q[:, :, -2:], k, v, None, 0.0, True, None, True, "layer", True, 6)
+    torch.testing.assert_close(last2, full[:, :, -2:])
+    torch.library.opcheck(sdpa, (q[:, :, -2:], k, v, None, 0.0, True, None, True, "layer", True, 6))

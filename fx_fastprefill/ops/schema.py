@@ -22,7 +22,7 @@ _SCHEMAS = {
                  "float? scale, Tensor? query_rows, Tensor? kv_written) -> Tensor",
     "write_kv": "(Tensor k, Tensor v, str layer) -> Tensor",
     "sdpa": "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float dropout_p, bool is_causal, float? scale, "
-            "bool enable_gqa, str layer, bool query_suffix) -> Tensor",
+            "bool enable_gqa, str layer, bool query_suffix, SymInt? causal_queries=None) -> Tensor",
 }
 
 _library = torch.library.Library(NAMESPACE, "DEF")
@@ -40,7 +40,7 @@ WRITE_K, WRITE_V, WRITE_LAYER = range(3)
 # Argument positions of the sdpa op.
 SDPA_Q, SDPA_K, SDPA_V, SDPA_MASK, SDPA_DROPOUT, SDPA_IS_CAUSAL, SDPA_SCALE, SDPA_GQA, SDPA_LAYER, SDPA_QUERY_SUFFIX = (
     range(10)
-)
+)  # and the keyword causal_queries
 
 
 def is_package_op(node: Node) -> bool:

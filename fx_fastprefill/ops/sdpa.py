@@ -8,7 +8,10 @@ the cut see one canonical node per layer.
 
 ``query_suffix=True`` is the query-subset form: ``q`` holds the last ``Lq`` queries of sequences of
 ``Lk`` tokens, so causal masking is aligned bottom-right. SDPA's own ``is_causal`` is aligned
-top-left; the two agree when ``Lq == Lk``, which is the only case the model itself produces.
+top-left; the two agree when ``Lq == Lk``. A model with a static cache calls it with more keys
+than queries (the prompt's queries from position 0, the cache's every slot as keys), top-left
+aligned: query ``i`` sees keys ``<= i``. Its suffix form is told how many queries the full call had
+(``causal_queries``): its queries are the last ``Lq`` of those, aligned the same way.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from torch import Tensor
 from .schema import NAMESPACE
 
 
-def _bottom_right_causal(num_q: int, num_k: int, device) -> Tensor:
-    return torch.ones(num_q, num_k, dtype=torch.bool, device=device).tril(diagonal=num_k - num_q)
+def _suffix_causal(num_q: int, of: int, num_k: int, device) -> Tensor:
+    """The last ``num_q`` rows of ``of`` queries' top-left causal mask over ``num_k`` keys."""
+    return torch.ones(num_q, num_k, dtype=torch.bool, device=device).tril(diagonal=of - num_q)
 
 
 def _heads_inner(out: Tensor) -> Tensor:
@@ -34,12 +38,14 @@ def _heads_inner(out: Tensor) -> Tensor:
 
 @torch.library.impl(f"{NAMESPACE}::sdpa", "CompositeExplicitAutograd")
 def sdpa_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
-            scale: float | None, enable_gqa: bool, layer: str, query_suffix: bool) -> Tensor:
+            scale: float | None, enable_gqa: bool, layer: str, query_suffix: bool,
+            causal_queries: int | None = None) -> Tensor:
     num_q, num_k = q.shape[-2], k.shape[-2]
-    if query_suffix and num_q > num_k:
-        raise ValueError(f"sdpa(layer={layer!r}): {num_q} suffix queries against only {num_k} keys")
-    if is_causal and num_q != num_k and query_suffix:
-        causal = _bottom_right_causal(num_q, num_k, q.device)
+    of = num_k if causal_queries is None else causal_queries  # the full call's query count
+    if query_suffix and num_q > of:
+        raise ValueError(f"sdpa(layer={layer!r}): {num_q} suffix queries of only {of}")
+    if is_causal and query_suffix and (num_q != num_k or of != num_k):
+        causal = _suffix_causal(num_q, of, num_k, q.device)
         attn_mask = causal if attn_mask is None else _and_mask(attn_mask, causal, q.dtype)
         is_causal = False
     # Otherwise exactly what F.scaled_dot_product_attention does (top-left causal), as the model asked.
@@ -54,7 +60,7 @@ def _and_mask(mask: Tensor, causal: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 @torch.library.register_fake(f"{NAMESPACE}::sdpa")
-def _sdpa_fake(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layer, query_suffix):
+def _sdpa_fake(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layer, query_suffix, causal_queries=None):
     if q.dim() == 4:
         batch, heads, num_q, _ = q.shape
         return q.new_empty(batch, num_q, heads, v.shape[-1]).transpose(1, 2)

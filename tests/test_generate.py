@@ -121,8 +121,9 @@ def test_bad_arguments_are_named():
 
 @pytest.mark.parametrize("name", ["llama", "gemma4_no_hand_slicing"])
 def test_one_unpadded_prompt_with_a_static_cache_is_cut(name):
-    """One prompt, no padding: transformers drops the mask and calls SDPA causal with the prompt's
-    queries against every slot of the static cache (top-left aligned); that call is cut too."""
+    """One prompt, no padding, a static cache. Gemma 4 then drops the mask and calls SDPA causal
+    with the prompt's queries against every slot of the cache (top-left aligned): that call is cut
+    too. Llama keeps an explicit mask (the same check, the other form)."""
     model = _model(name)
     expected = _generate(model, [13], "static", seed=7)
     torch._dynamo.reset()

@@ -58,6 +58,12 @@ def _new_tokens(args: tuple, kwargs: dict) -> int | None:
     return embeds.shape[-2] if isinstance(embeds, torch.Tensor) else None
 
 
+def _cache(kwargs: dict) -> Any:
+    """The cache argument: ``past_key_values`` (transformers <= 5.24), ``cache`` (5.25)."""
+    cache = kwargs.get("past_key_values")
+    return kwargs.get("cache") if cache is None else cache
+
+
 def mark_prompt_dynamic(args: tuple, kwargs: dict) -> None:
     """Mark the prompt-length dims of a prefill call's inputs dynamic (and a static cache's length),
     the batch and everything else static: one graph for every prompt length, without
@@ -74,7 +80,7 @@ def mark_prompt_dynamic(args: tuple, kwargs: dict) -> None:
         if isinstance(mask, torch.Tensor):
             for dim in range(1, mask.dim()) if mask.dim() == 2 else (mask.dim() - 2, mask.dim() - 1):
                 mark(mask, dim)
-    for layer in getattr(kwargs.get("past_key_values"), "layers", []):
+    for layer in getattr(_cache(kwargs), "layers", []):
         for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if isinstance(tensor, torch.Tensor) and tensor.dim() == 4:
                 mark(tensor, 2)
@@ -105,7 +111,7 @@ class GenerateForward:
         self.compiles: Counter[str] = Counter()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        cache = kwargs.get("past_key_values")
+        cache = _cache(kwargs)
         static = cache is not None and _is_static_cache(cache)
         if _new_tokens(args, kwargs) == 1 and cache is not None:
             path, run = DECODE, (self.static_decode if static else self.original)

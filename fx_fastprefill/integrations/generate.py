@@ -5,7 +5,7 @@ is replaced, on the instance only, by :class:`GenerateForward`, which sends each
 two compiled paths:
 
 - **prefill** (more than one new token per sequence): the model's forward compiled through the
-  fx_fastprefill backend with dynamic shapes, one graph for every prompt length, cut on the
+  fx_fastprefill backend, the prompt-length dims dynamic: one graph for every prompt length, cut on the
   ``logits_to_keep`` rows ``generate`` asks for;
 - **decode** (one new token per sequence): with a static cache, the forward compiled by Inductor
   the way transformers compiles its own decode (``mode="reduce-overhead"``: CUDA graphs on CUDA);

@@ -12,8 +12,8 @@ Invariants:
   reduced region, even where it is the token count (the keys of a score matrix ``[R, T]``, a mask
   sliced to ``T`` keys): those dims are not gathered.
 - Rules only describe; the rewrite (passes/cut_graph.py) applies ``arg_rewrites`` (sizes in the
-  reduced row count, the sdpa op's ``query_suffix`` flag) and ``set_query_rows`` to nodes that join
-  the reduced region.
+  reduced row count, sizes of the full graph given as sympy expressions, the sdpa op's
+  ``query_suffix`` flag) and ``set_query_rows`` to nodes that join the reduced region.
 """
 
 from __future__ import annotations

@@ -49,9 +49,13 @@ def _graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def _input_ids(args: tuple, kwargs: dict) -> Any:
+    return kwargs.get("input_ids", args[0] if args else None)
+
+
 def _new_tokens(args: tuple, kwargs: dict) -> int | None:
     """Tokens per sequence in this call (``input_ids`` or ``inputs_embeds``); None if neither."""
-    ids = kwargs.get("input_ids", args[0] if args else None)
+    ids = _input_ids(args, kwargs)
     if isinstance(ids, torch.Tensor):
         return ids.shape[-1]
     embeds = kwargs.get("inputs_embeds")
@@ -70,8 +74,7 @@ def mark_prompt_dynamic(args: tuple, kwargs: dict) -> None:
     ``dynamic=True``'s symbols for every dim and int (slower to trace, and it retraces once to
     specialize float scalars)."""
     mark = torch._dynamo.maybe_mark_dynamic
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    for name, tensor in (("input_ids", ids), ("position_ids", kwargs.get("position_ids")),
+    for name, tensor in (("input_ids", _input_ids(args, kwargs)), ("position_ids", kwargs.get("position_ids")),
                          ("inputs_embeds", kwargs.get("inputs_embeds"))):
         if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
             mark(tensor, tensor.dim() - (2 if name == "inputs_embeds" else 1))
@@ -112,7 +115,7 @@ class GenerateForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = _cache(kwargs)
-        static = cache is not None and _is_static_cache(cache)
+        static = _is_static_cache(cache)
         if _new_tokens(args, kwargs) == 1 and cache is not None:
             path, run = DECODE, (self.static_decode if static else self.original)
         else:
@@ -139,7 +142,7 @@ class GenerateForward:
             log.warning("the static cache cannot be allocated before the prefill (%s); its tensors are made inside "
                         "the compiled prefill, and decode CUDA graphs may copy them every step", type(cache).__name__)
             return
-        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = _input_ids(args, kwargs)
         batch = (ids if isinstance(ids, torch.Tensor) else kwargs["inputs_embeds"]).shape[0]
         cache.early_initialization(batch, *shape, dtype=self.model.dtype, device=self.model.device)
 

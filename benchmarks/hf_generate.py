@@ -12,11 +12,13 @@ Variants:
 - ``ffp``: ``fx_fastprefill.compile_for_generate(model)``.
 
 Per record: ``ttft_ms`` (median wall time of ``generate(max_new_tokens=1)``: prefill and the first
-token), ``decode_ms_per_token`` (median of (``generate`` of N tokens - TTFT) / (N - 1)),
-``first_generate_s`` (the first call of the variant in this process, compiles included, with
-Inductor's cache as earlier variants left it: the decode graphs of ``compiled`` and ``ffp`` are
-the same), the tokens' agreement with ``compiled``. Compile time in
-fresh processes, cold and warm: benchmarks/compile_time.py.
+token), ``decode_ms_per_token`` (median over pairs of (``generate`` of N tokens - TTFT) / (N - 1)),
+``first_generate_s`` (the first call of the variant in this process at that shape, compiles
+included, with Inductor's cache as earlier variants left it: the decode graphs of ``compiled`` and
+``ffp`` are the same), the first token and the relative error of its logits against ``eager`` and
+``compiled``. Each variant is set up once and runs every shape (``ffp`` compiles one prefill graph
+for every prompt length; ``compiled`` one per shape). Compile time in fresh processes, cold and
+warm: benchmarks/compile_time.py.
 
     PYTHONPATH=. python3 benchmarks/hf_generate.py --model gemma3n-e2b --out generate.json
     python3 benchmarks/hf_generate.py --smoke --out /tmp/g.json     # CPU, tiny model: the script runs
@@ -133,34 +135,28 @@ def main() -> None:
     cfg = model.config
     shared = cfg.num_kv_shared_layers
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    records, tokens = [], {}
-    for batch, seq_len in shapes:
-        ids, mask = left_padded_batch([seq_len] * batch, cfg.vocab_size, pad_id=0, seed=batch * seq_len)
-        ids, mask = ids.to(device), mask.to(device)
-        for variant in variants:
+    batches = {shape: left_padded_batch([shape[1]] * shape[0], cfg.vocab_size, pad_id=0, seed=shape[0] * shape[1])
+               for shape in shapes}
+    records, firsts = [], {}
+    for variant in variants:  # one set-up per variant: its compiled graphs serve every shape
+        try:
+            kwargs = prepare(model, variant, cuda)
+        except Exception:  # noqa: BLE001 - recorded; the other variants still run
+            records.append({"model": f"{args.model}-hf", "variant": variant, "error": traceback.format_exc(limit=8)})
+            unprepare(model)
+            continue
+        for batch, seq_len in shapes:
+            ids, mask = (t.to(device) for t in batches[(batch, seq_len)])
             record = {"model": f"{args.model}-hf", "batch": batch, "seq_len": seq_len, "variant": variant,
-                      "new_tokens": args.new_tokens, "layers": cfg.num_hidden_layers, "shared_layers": shared,
+                      "layers": cfg.num_hidden_layers, "shared_layers": shared,
                       "ideal_prefill_speedup": cfg.num_hidden_layers / (cfg.num_hidden_layers - shared),
                       "torch": torch.__version__, "transformers": transformers.__version__,
                       "device": torch.cuda.get_device_name() if cuda else "cpu"}
             try:
-                kwargs = prepare(model, variant, cuda)
-                new_tokens = 1 if args.ttft_only else args.new_tokens
-                record["new_tokens"] = new_tokens
-                record["first_generate_s"], out = timed_generate(model, ids, mask, new_tokens, cuda, **kwargs)
-                record["first_generate_s"] /= 1e3
-                timed_generate(model, ids, mask, 1, cuda, **kwargs)  # a 1-token generate compiles nothing new
-                first = [timed_generate(model, ids, mask, 1, cuda, **kwargs)[0] for _ in range(args.runs)]
-                record.update(ttft_ms=statistics.median(first), ttft_times_ms=first)
-                if not args.ttft_only:
-                    full = [timed_generate(model, ids, mask, new_tokens, cuda, **kwargs)[0] for _ in range(args.runs)]
-                    record.update(generate_times_ms=full, decode_ms_per_token=(statistics.median(full)
-                                                                              - statistics.median(first))
-                                  / (new_tokens - 1))
-                tokens[(batch, seq_len, variant)] = out[:, seq_len:].cpu()
-                reference = tokens.get((batch, seq_len, "compiled"))
-                if reference is not None:
-                    record["tokens_equal_to_compiled"] = (reference == out[:, seq_len:].cpu()).float().mean().item()
+                measure(model, ids, mask, args, cuda, kwargs, record)
+                first = first_token(model, ids, mask, kwargs)
+                compare(record, first, firsts, (batch, seq_len))
+                firsts[(batch, seq_len, variant)] = first
                 handle = vars(model).get("fx_fastprefill")
                 if handle is not None:
                     record.update(calls=handle.calls, compiles=handle.compiles,
@@ -168,16 +164,52 @@ def main() -> None:
                                   reduced_layers=[len(r.reduced_layers) for r in handle.reports])
                 if cuda:
                     record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            except Exception:  # noqa: BLE001 - recorded; the other variants still run
+            except Exception:  # noqa: BLE001 - recorded; the other shapes and variants still run
                 record["error"] = traceback.format_exc(limit=8)
-            finally:
-                unprepare(model)
-                if cuda:
-                    torch.cuda.empty_cache()
             print(json.dumps({k: v for k, v in record.items() if not k.endswith("times_ms")}), flush=True)
             records.append(record)
             Path(args.out).write_text(json.dumps(records, indent=1))
+        unprepare(model)
+        if cuda:
+            torch.cuda.empty_cache()
 
+
+def measure(model, ids, mask, args, cuda: bool, kwargs: dict, record: dict) -> None:
+    """TTFT and decode ms/token. Decode is timed in pairs: generate(1) and generate(N) back to back,
+    their difference over N - 1 steps, the median over the pairs (drift cancels within a pair)."""
+    new_tokens = 1 if args.ttft_only else args.new_tokens
+    record["new_tokens"] = new_tokens
+    record["first_generate_s"] = timed_generate(model, ids, mask, new_tokens, cuda, **kwargs)[0] / 1e3
+    timed_generate(model, ids, mask, 1, cuda, **kwargs)  # a 1-token generate compiles nothing new
+    first, full = [], []
+    for _ in range(args.runs):
+        first.append(timed_generate(model, ids, mask, 1, cuda, **kwargs)[0])
+        if not args.ttft_only:
+            full.append(timed_generate(model, ids, mask, new_tokens, cuda, **kwargs)[0])
+    record.update(ttft_ms=statistics.median(first), ttft_times_ms=first)
+    if full:
+        per_token = [(f - t) / (new_tokens - 1) for f, t in zip(full, first)]
+        record.update(generate_times_ms=full, decode_ms_per_token=statistics.median(per_token),
+                      decode_times_ms=per_token)
+
+
+def first_token(model, ids, mask, kwargs: dict) -> dict:
+    """The first generated token and the logits it came from (untimed)."""
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True, **kwargs)
+    return {"token": out.sequences[:, -1].cpu(), "logits": out.logits[0].float().cpu()}
+
+
+def compare(record: dict, first: dict, firsts: dict, shape: tuple) -> None:
+    """The first token and its logits against the variants run before (bf16: the logits' relative
+    error shows whether a token that differs is a near tie or a wrong result)."""
+    for reference in ("eager", "compiled"):
+        theirs = firsts.get((*shape, reference))
+        if theirs is not None and reference != record["variant"]:
+            error = (first["logits"] - theirs["logits"]).norm() / theirs["logits"].norm()
+            record[f"logits_rel_err_vs_{reference}"] = error.item()
+            record[f"first_token_equal_to_{reference}"] = (first["token"] == theirs["token"]).float().mean().item()
 
 if __name__ == "__main__":
     main()

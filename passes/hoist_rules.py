@@ -11,6 +11,12 @@ Invariants:
 - Only the token dim shrinks. A size or slice bound off the token dim keeps its value in the
   reduced region, even where it is the token count (the keys of a score matrix ``[R, T]``, a mask
   sliced to ``T`` keys): those dims are not gathered.
+- Collectives (``torch.distributed``'s functional ops, what tensor parallelism traces to) are
+  row-wise when they combine or copy ranks' tensors element by element (all-reduce, broadcast,
+  wait) or concatenate them on a dim that is not the token dim (all-gather, reduce-scatter on dim
+  0): every rank gathers the same rows (the row selection is computed from replicated inputs, and
+  ranks check they planned the same cut, compilation/spmd.py), so the collective of the gathered
+  rows is the gathered rows of the collective. Over the token dim (sequence parallelism) they stop.
 - Rules only describe; the rewrite (passes/cut_graph.py) applies ``arg_rewrites`` (sizes in the
   reduced row count, sizes of the full graph given as sympy expressions, the sdpa op's
   ``query_suffix`` flag) and ``set_query_rows`` to nodes that join the reduced region.
@@ -35,6 +41,7 @@ from .token_layout import Layout, depends_on, map_view_layout, shape_exprs
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+c10d = torch.ops._c10d_functional
 
 Path = tuple  # ("args", i) or ("args", i, j) or ("kwargs", name)
 REDUCED_SIZE = "reduced_size"  # marker: this size argument is re-expressed in the reduced row count
@@ -491,3 +498,18 @@ def _sdpa(node, layout, rows):
         else:
             return f"attention mask of shape {mask_shape} does not match the queries"
     return result
+
+
+@rule(c10d.all_reduce.default, c10d.broadcast.default, c10d.wait_tensor.default)
+def _rowwise_collective(node, layout, rows):
+    """Element by element across ranks: the output's rows are the input's rows."""
+    return RuleResult([Requirement(("args", 0), node.args[0], layout)])
+
+
+@rule(c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
+def _dim0_collective(node, layout, rows):
+    """Ranks' tensors concatenated (or reduced and scattered) on dim 0: row-wise when the token rows
+    are on another dim. On dim 0 it is sequence parallelism: the ranks hold different tokens."""
+    if layout.axis == 0:
+        return f"{node.target.name()} over the token dim (sequence parallelism: ranks hold different rows)"
+    return RuleResult([Requirement(("args", 0), node.args[0], layout)])

@@ -16,12 +16,24 @@ from fx_fastprefill.passes.token_layout import Layout
 from tests.helpers import first, rows_of, trace
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional  # traced on their fake kernels: no process group needed
 T, D, H, W = 7, 5, 3, 4  # distinct sizes: the symbols stay distinct
 ids = torch.int64
 
 # (name, fn, input shapes, input dtypes or None, op, output layout axis,
 #  expected: {input position: layout axis of its rows, or None when needed whole} or a reason substring)
 CASES = [
+    ("all_reduce", lambda x: c10d.all_reduce(x, "sum", "tp"), [(T, D)], None, c10d.all_reduce.default, 0, {0: 0}),
+    ("wait_tensor", lambda x: c10d.wait_tensor(x), [(T, D)], None, c10d.wait_tensor.default, 0, {0: 0}),
+    ("broadcast", lambda x: c10d.broadcast(x, 0, "tp"), [(T, D)], None, c10d.broadcast.default, 0, {0: 0}),
+    ("all_gather off the token dim", lambda x: c10d.all_gather_into_tensor(x, 2, "tp"), [(H, T, D)], None,
+     c10d.all_gather_into_tensor.default, 1, {0: 1}),
+    ("all_gather over the token dim", lambda x: c10d.all_gather_into_tensor(x, 2, "tp"), [(T, D)], None,
+     c10d.all_gather_into_tensor.default, 0, "sequence parallelism"),
+    ("reduce_scatter off the token dim", lambda x: c10d.reduce_scatter_tensor(x, "sum", 2, "tp"), [(2 * H, T, D)],
+     None, c10d.reduce_scatter_tensor.default, 1, {0: 1}),
+    ("reduce_scatter over the token dim", lambda x: c10d.reduce_scatter_tensor(x, "sum", 2, "tp"), [(T, D)], None,
+     c10d.reduce_scatter_tensor.default, 0, "sequence parallelism"),
     ("pointwise", lambda x, y: x * y, [(T, D), (T, D)], None, aten.mul.Tensor, 0, {0: 0, 1: 0}),
     ("pointwise broadcast", lambda x, b: x + b, [(T, D), (D,)], None, aten.add.Tensor, 0, {0: 0, 1: None}),
     ("pointwise size-1 rows", lambda x, b: x + b, [(T, D), (1, D)], None, aten.add.Tensor, 0, {0: 0, 1: None}),

@@ -23,6 +23,7 @@ from ..ops import sdpa as _sdpa_kernels  # noqa: F401
 from ..report.builder import build_report
 from ..report.report import ReportLog
 from . import fallbacks as fallback_reasons
+from . import spmd
 from .compile_graph import COMPILERS, as_submodule, compile_boxed, inductor, returns_tuple, swap_submodule
 from .cudagraphs import PiecewiseRegion, Recorder, non_owning_supported
 from .fallbacks import FallbackCounter
@@ -117,7 +118,12 @@ class FastPrefillBackend:
                 ctx.declined, ctx.failed = f"compiling the cut regions failed: {type(e).__name__}: {e}", True
         if ctx.failed:
             record_fallback(fallback_reasons.PASS_FAILED)
+        ranks, disagreement = spmd.check(ctx.unchanged or gm, ctx.gm, ctx.declined)
+        if disagreement:
+            ctx.declined = disagreement
+            record_fallback(fallback_reasons.RANKS_DISAGREE)
         report = build_report(ctx, names, cudagraphs, graph_fallbacks)
+        report.ranks = ranks
         self.reports.append(report)
         if ctx.declined:
             log.info("graph left unchanged: %s", report.reason)

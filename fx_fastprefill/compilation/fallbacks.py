@@ -18,6 +18,9 @@ NOT_SMALLER = "padded logits rows are not fewer than the tokens"
 NO_LOGITS_ROWS = "no logits rows in this step (R == 0): reduced region skipped"
 # Compile-time: a pass or the regions' compile failed; the graph was compiled unchanged (the report says why).
 PASS_FAILED = "the pass failed on this graph: compiled unchanged"
+# Compile-time: the ranks of a tensor-parallel graph planned different cuts, or could not compare
+# them (compilation/spmd.py).
+RANKS_DISAGREE = "the ranks did not agree on one cut: compiled unchanged"
 # Compile-time: piecewise CUDA graphs were asked for but cannot be used for this graph.
 CUDAGRAPHS_NOT_CUDA = "CUDA graphs asked for, but the graph's inputs are not on a CUDA device: compiled without them"
 # Run-time, per region call with piecewise CUDA graphs.

@@ -75,6 +75,9 @@ class FastPrefillReport:
     fallbacks: FallbackCounter = field(default_factory=FallbackCounter)
     # Whether the regions were compiled with piecewise CUDA graphs (asked for, and on CUDA).
     cudagraphs: bool = False
+    # Each rank's plan fingerprint, in rank order, where the graph has collectives and a process group
+    # is live (compilation/spmd.py): equal on every rank, or the graph was left unchanged on all.
+    ranks: list[str] = field(default_factory=list)
     # Seconds each pass of the pipeline took (compilation/pipeline.py), in order.
     pass_seconds: dict[str, float] = field(default_factory=dict)
     # The cut aten graph and its region of every node, for printing (not part of the summary).
@@ -107,6 +110,7 @@ class FastPrefillReport:
             "flops_removed_fraction": self.flops_removed_fraction,
             "fallbacks": dict(self.fallbacks),
             "cudagraphs": self.cudagraphs,
+            "ranks": list(self.ranks),
             "pass_seconds": dict(self.pass_seconds),
         }
 
@@ -150,6 +154,10 @@ class FastPrefillReport:
         )
         if self.cudagraphs:
             lines.append("piecewise CUDA graphs: on (attention outside, the code between captured per size)")
+        if self.ranks:
+            agreed = len(set(self.ranks)) == 1
+            lines.append(f"ranks: {len(self.ranks)}, " + (f"same plan on every rank ({self.ranks[0]})" if agreed else
+                                                           f"plans differ: {', '.join(self.ranks)}"))
         if self.fallbacks:
             lines.append("runtime fallbacks: " + ", ".join(f"{r}: {n}" for r, n in self.fallbacks.items()))
         return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""Tensor parallelism on 2 CPU ranks (gloo): the cut goes through the collectives.
+
+transformers' own TP (``from_pretrained(..., tp_plan="auto")``) on saved random-weight Gemma 3n,
+Gemma 4 and Llama checkpoints, and the flat example model sharded by examples/tp.py and run by the
+Runner on every rank. On each rank: cut, the KV-shared layers reduced, fp32 logits equal to the
+single-process model and to TP eager, greedy tokens equal to the single-process model's, the same
+plan fingerprint on both ranks. Ranks that plan different cuts both compile unchanged.
+
+Each group of checks runs in one spawn of 2 processes (module-scoped fixtures): a spawn costs
+seconds of imports, the checks' own compiles use ``compiler="eager"``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fx_fastprefill
+from fx_fastprefill.compilation.fallbacks import RANKS_DISAGREE
+from fx_fastprefill.compilation.spmd import DISAGREE
+from tests.distributed import run_ranks
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers' tensor parallelism needs it
+
+WORLD = 2
+TOL = 1e-5
+LENGTHS = [11, 9]  # longer than the tiny Gemmas' sliding window (8)
+
+
+def _factories():
+    from examples import hf_gemma3n, hf_gemma4
+    from examples.hf_zoo import ARCHITECTURES
+    return {"gemma3n": lambda: hf_gemma3n.tiny(**hf_gemma3n.SMALLEST),
+            "gemma4": lambda: hf_gemma4.tiny(**hf_gemma4.SMALLEST),
+            "llama": ARCHITECTURES["llama"][1]}
+
+
+def _load(path: str, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    from examples.hf_gemma4 import without_hand_slicing
+    return without_hand_slicing(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval())
+
+
+def _rel_err(x: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((x - reference).abs().max() / reference.abs().max()).item()
+
+
+def _hf_checks(rank: int, checkpoints: dict[str, str]) -> dict:
+    from examples.hf_check import left_padded_batch
+    results = {}
+    for name, path in checkpoints.items():
+        torch._dynamo.reset()  # transformers' models share one forward wrapper: a fresh recompile budget each
+        single, model = _load(path), _load(path, tp_plan="auto")
+        ids, mask = left_padded_batch(LENGTHS, model.config.get_text_config().vocab_size, pad_id=0, seed=1)
+        greedy = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            tp_eager = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits[:, -1]
+            expected = single.generate(**greedy, cache_implementation="dynamic")
+            # A DynamicCache: decode runs uncompiled (what is checked is the prefill's cut).
+            fx_fastprefill.compile_for_generate(model, cache_implementation="dynamic", compiler="eager")
+            out = model.generate(**greedy)
+        report = model.fx_fastprefill.reports[0]  # the prefill's (the first token's logits come from it)
+        results[name] = dict(
+            cut=report.cut, reason=report.reason, summary=report.summary(), ranks=report.ranks,
+            shared=[a.layer for a in report.attention_layers if a.kv_source],
+            eligible=report.eligible_layers, reduced=report.reduced_layers,
+            err_vs_single=_rel_err(out.logits[0], expected.logits[0]),
+            err_vs_tp_eager=_rel_err(out.logits[0], tp_eager),
+            tokens_equal=torch.equal(out.sequences, expected.sequences),
+            generate_cut=[r.cut for r in model.fx_fastprefill.reports])
+    # Ranks that plan differently: rank 1 turns the pass off, so both must compile unchanged.
+    torch._dynamo.reset()
+    model = _load(checkpoints["llama"], tp_plan="auto")
+    ids, mask = left_padded_batch(LENGTHS, model.config.vocab_size, pad_id=0, seed=2)
+    backend = fx_fastprefill.backend(compiler="eager", fast_prefill=rank == 0)
+    with torch.no_grad():
+        prefill = dict(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=False)
+        logits = torch.compile(model.forward, backend=backend)(**prefill).logits
+        reference = model(**prefill).logits
+    report = backend.reports[-1]
+    results["disagree"] = dict(cut=report.cut, reason=report.reason, ranks=report.ranks,
+                               fallbacks=dict(backend.fallbacks), err=_rel_err(logits, reference))
+    return results
+
+
+def _flat_checks(rank: int) -> dict:
+    from examples.gemma3n import tiny
+    from examples.tp import apply_tensor_parallel
+    full = tiny()
+    model = apply_tensor_parallel(copy.deepcopy(full))
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(12 + 3 * i)] for i in range(3)]
+    backend = fx_fastprefill.backend(compiler="eager")
+    runner = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=64)
+    reference = fx_fastprefill.Runner(full, backend="eager", max_num_tokens=64)
+    logits, expected = runner.prefill(prompts), reference.prefill(prompts)
+    tokens = runner.generate(prompts, max_new_tokens=5)
+    prefill_report = backend.reports[0]
+    return dict(cut=prefill_report.cut, reason=prefill_report.reason, summary=prefill_report.summary(),
+                ranks=prefill_report.ranks, shared=[a.layer for a in prefill_report.attention_layers if a.kv_source],
+                eligible=prefill_report.eligible_layers, reduced=prefill_report.reduced_layers,
+                err_vs_single=_rel_err(logits, expected),
+                tokens_equal=tokens == reference.generate(prompts, max_new_tokens=5))
+
+
+@pytest.fixture(scope="module")
+def hf_results(tmp_path_factory):
+    checkpoints = {}
+    for name, factory in _factories().items():
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp(name)
+        factory().save_pretrained(path)
+        checkpoints[name] = str(path)
+    return run_ranks(_hf_checks, WORLD, checkpoints)
+
+
+@pytest.fixture(scope="module")
+def flat_results():
+    return run_ranks(_flat_checks, WORLD)
+
+
+def _check_rank_results(per_rank: list[dict]) -> None:
+    for rank, result in enumerate(per_rank):
+        print(f"rank {rank}:\n{result['summary']}")  # each rank's report, shown with -s or on failure
+        assert result["cut"], (rank, result["reason"])
+        assert result["eligible"] == result["shared"], rank
+        assert set(result["shared"]) <= set(result["reduced"]), rank
+        assert result["err_vs_single"] <= TOL, rank
+        assert result["tokens_equal"], rank
+        assert len(result["ranks"]) == WORLD and len(set(result["ranks"])) == 1, result["ranks"]
+    assert per_rank[0]["ranks"] == per_rank[1]["ranks"]
+    assert per_rank[0]["reduced"] == per_rank[1]["reduced"]
+
+
+@pytest.mark.parametrize("name", ["gemma3n", "gemma4", "llama"])
+def test_transformers_tp_plan_is_cut_on_every_rank(hf_results, name):
+    per_rank = [r[name] for r in hf_results]
+    _check_rank_results(per_rank)
+    for rank, result in enumerate(per_rank):
+        assert result["err_vs_tp_eager"] <= TOL, rank
+        assert result["generate_cut"] and all(result["generate_cut"]), (rank, result["generate_cut"])
+
+
+def test_ranks_that_plan_different_cuts_all_compile_unchanged(hf_results):
+    per_rank = [r["disagree"] for r in hf_results]
+    for rank, result in enumerate(per_rank):
+        assert not result["cut"] and result["reason"].startswith(DISAGREE), (rank, result["reason"])
+        assert result["fallbacks"] == {RANKS_DISAGREE: 1}, rank
+        assert len(set(result["ranks"])) == WORLD, result["ranks"]
+        assert result["err"] <= TOL, rank
+
+
+def test_flat_model_sharded_by_hand_is_cut_on_every_rank(flat_results):
+    _check_rank_results(flat_results)

@@ -6,8 +6,8 @@ Runner on every rank. On each rank: cut, the KV-shared layers reduced, fp32 logi
 single-process model and to TP eager, greedy tokens equal to the single-process model's, the same
 plan fingerprint on both ranks. Ranks that plan different cuts both compile unchanged.
 
-Each group of checks runs in one spawn of 2 processes (module-scoped fixtures): a spawn costs
-seconds of imports, the checks' own compiles use ``compiler="eager"``.
+Every check runs in one spawn of 2 processes (a module-scoped fixture): a spawn costs seconds of
+imports; the compiles use ``compiler="eager"``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _rel_err(x: torch.Tensor, reference: torch.Tensor) -> float:
     return ((x - reference).abs().max() / reference.abs().max()).item()
 
 
-def _hf_checks(rank: int, checkpoints: dict[str, str]) -> dict:
+def _rank_checks(rank: int, checkpoints: dict[str, str]) -> dict:
     from examples.hf_check import left_padded_batch
     results = {}
     for name, path in checkpoints.items():
@@ -61,8 +61,10 @@ def _hf_checks(rank: int, checkpoints: dict[str, str]) -> dict:
         with torch.no_grad():
             tp_eager = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits[:, -1]
             expected = single.generate(**greedy, cache_implementation="dynamic")
-            # A DynamicCache: decode runs uncompiled (what is checked is the prefill's cut).
+            # A DynamicCache (decode uncompiled) and a static-shape prefill: what is checked here is the
+            # cut through the collectives (prompt lengths sharing a graph: tests/test_generate.py).
             fx_fastprefill.compile_for_generate(model, cache_implementation="dynamic", compiler="eager")
+            model.forward.prompt_dynamic = False
             out = model.generate(**greedy)
         report = model.fx_fastprefill.reports[0]  # the prefill's (the first token's logits come from it)
         results[name] = dict(
@@ -85,10 +87,12 @@ def _hf_checks(rank: int, checkpoints: dict[str, str]) -> dict:
     report = backend.reports[-1]
     results["disagree"] = dict(cut=report.cut, reason=report.reason, ranks=report.ranks,
                                fallbacks=dict(backend.fallbacks), err=_rel_err(logits, reference))
+    torch._dynamo.reset()
+    results["flat"] = _flat_checks()
     return results
 
 
-def _flat_checks(rank: int) -> dict:
+def _flat_checks() -> dict:
     from examples.gemma3n import tiny
     from examples.tp import apply_tensor_parallel
     full = tiny()
@@ -115,12 +119,7 @@ def hf_results(tmp_path_factory):
         path = tmp_path_factory.mktemp(name)
         factory().save_pretrained(path)
         checkpoints[name] = str(path)
-    return run_ranks(_hf_checks, WORLD, checkpoints)
-
-
-@pytest.fixture(scope="module")
-def flat_results():
-    return run_ranks(_flat_checks, WORLD)
+    return run_ranks(_rank_checks, WORLD, checkpoints)
 
 
 def _check_rank_results(per_rank: list[dict]) -> None:
@@ -154,5 +153,5 @@ def test_ranks_that_plan_different_cuts_all_compile_unchanged(hf_results):
         assert result["err"] <= TOL, rank
 
 
-def test_flat_model_sharded_by_hand_is_cut_on_every_rank(flat_results):
-    _check_rank_results(flat_results)
+def test_flat_model_sharded_by_hand_is_cut_on_every_rank(hf_results):
+    _check_rank_results([r["flat"] for r in hf_results])

@@ -1,6 +1,5 @@
 """One compiled graph for every step size, and no more memory than without the pass."""
 
-import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -47,15 +46,15 @@ def peak_bytes(fn) -> int:
     return peak
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
-def test_peak_memory_of_a_prefill_step_is_not_higher_with_the_pass(compiler):
+def test_peak_memory_of_a_prefill_step_is_not_higher_with_the_pass():
+    """With Inductor, what users run (its memory planning decides the peak)."""
     model = small_model()
     chunks = [SeqChunk(i, [(13 * i + j) % 500 + 1 for j in range(60)]) for i in range(3)]
     peaks = {}
     for fast_prefill in (True, False):
         runner = fx_fastprefill.Runner(
             model,
-            backend=fx_fastprefill.backend(compiler=compiler, fast_prefill=fast_prefill),
+            backend=fx_fastprefill.backend(fast_prefill=fast_prefill),
             max_num_tokens=256,
             max_model_len=64,
         )

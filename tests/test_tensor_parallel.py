@@ -1,7 +1,7 @@
 """Tensor parallelism on 2 CPU ranks (gloo): the cut goes through the collectives.
 
-transformers' own TP (``from_pretrained(..., tp_plan="auto")``) on saved random-weight Gemma 3n,
-Gemma 4 and Llama checkpoints, and the flat example model sharded by examples/tp.py and run by the
+transformers' own TP (``from_pretrained(..., tp_plan="auto")``) on saved random-weight Gemma 3n
+and Gemma 4 checkpoints (a Llama one for the disagreement check), and the flat example model sharded by examples/tp.py and run by the
 Runner on every rank. On each rank: cut, the KV-shared layers reduced, fp32 logits equal to the
 single-process model and to TP eager, greedy tokens equal to the single-process model's, the same
 plan fingerprint on both ranks. Ranks that plan different cuts both compile unchanged.
@@ -28,6 +28,9 @@ pytest.importorskip("accelerate")  # transformers' tensor parallelism needs it
 WORLD = 2
 TOL = 1e-5
 LENGTHS = [11, 9]  # longer than the tiny Gemmas' sliding window (8)
+# The generate checks; Llama's checkpoint serves the disagreement check (a dense model under TP is
+# the same hoisting through all-reduces, without KV sharing; kept out for the suite's time).
+TP_MODELS = ("gemma3n", "gemma4")
 
 
 def _factories():
@@ -53,6 +56,8 @@ def _rank_checks(rank: int, checkpoints: dict[str, str]) -> dict:
     from examples.hf_check import left_padded_batch
     results = {}
     for name, path in checkpoints.items():
+        if name not in TP_MODELS:
+            continue
         torch._dynamo.reset()  # transformers' models share one forward wrapper: a fresh recompile budget each
         single, model = _load(path), _load(path, tp_plan="auto")
         ids, mask = left_padded_batch(LENGTHS, model.config.get_text_config().vocab_size, pad_id=0, seed=1)
@@ -135,7 +140,7 @@ def _check_rank_results(per_rank: list[dict]) -> None:
     assert per_rank[0]["reduced"] == per_rank[1]["reduced"]
 
 
-@pytest.mark.parametrize("name", ["gemma3n", "gemma4", "llama"])
+@pytest.mark.parametrize("name", TP_MODELS)
 def test_transformers_tp_plan_is_cut_on_every_rank(hf_results, name):
     per_rank = [r[name] for r in hf_results]
     _check_rank_results(per_rank)

@@ -19,6 +19,9 @@ Inputs a piece reads that no recorded piece of this forward produced (region inp
 eager ops) are copied into staging buffers before each replay; staging is shared by all pieces
 (slot ``i`` for a piece's ``i``-th input), sized by the largest key recorded first. Parameters
 are read in place; if one moves, the region's graphs are dropped and recorded again.
+
+A step recorded as one whole-step CUDA graph (runtime/whole_step_graphs.py) runs the pieces as
+compiled: a graph cannot be recorded inside another.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch.fx import GraphModule, Node
 from fx_fastprefill.passes.fx_utils import placeholders, size_sources
 from fx_fastprefill.passes.split_pieces import GRAPH, split_pieces
 
+from ..runtime.step_context import current_step
 from . import fallbacks as reasons
 from .compile_graph import BoxedFn, compile_boxed, returns_tuple, swap_submodule
 
@@ -267,6 +271,11 @@ class PiecewiseRegion:
         return tuple(int(args[i]) if dim is None else args[i].shape[dim] for i, dim in self.key_sizes)
 
     def __call__(self, *args: Any) -> Any:
+        step = current_step()
+        if step is not None and step.whole_step_graph:
+            # Inside a whole-step graph (recording it, or warming it up): no graphs of our own.
+            self.state.mode = PLAIN
+            return self._output(self.split(*args))
         key, seen = self._state(args)
         state = self.state
         state.key = key

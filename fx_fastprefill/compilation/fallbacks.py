@@ -32,6 +32,11 @@ CUDAGRAPH_STATIC_INPUT_MOVED = (
     "a parameter or buffer moved since the CUDA graphs were recorded: they are recorded again"
 )
 
+# Run-time, per step that could run as a whole-step CUDA graph (runtime/whole_step_graphs.py) but did not.
+WHOLE_STEP_WARMUP = "first step of this size: run without its whole-step CUDA graph (warm-up; the next one records)"
+WHOLE_STEP_RECORD_FAILED = "recording the whole-step CUDA graph of this size failed: its steps run piecewise"
+WHOLE_STEP_TOO_LARGE = "more rows than the largest whole-step CUDA graph: the step runs piecewise"
+
 
 class FallbackCounter(Counter):
     """Occurrences by reason; logs each reason once."""

@@ -11,6 +11,9 @@ Per step, the gate (the reference's per-step helper, made explicit):
   which computes exactly what the model without the pass computes. Each is counted and logged with
   its reason.
 - otherwise the reduced region gathers the boundary tensors and runs on R rows.
+- a step recorded as a whole-step CUDA graph (``StepMetadata.whole_step_graph``: every row a
+  logits row, the rows passed as ``arange(T)``) runs the region on all rows, uncounted: the
+  reference document's rule turns fast prefill off for such steps, and they are decode steps.
 
 A suffix selection (transformers' ``logits_to_keep``: the last k rows of every sequence) needs no
 per-step metadata and has no gate: every call gathers and runs the reduced region.
@@ -69,6 +72,10 @@ class StepGate:
         index = args[self.index_position]
         num_tokens = self._size(self.rows, args)
         step = current_step()
+        if step is not None and step.whole_step_graph:
+            # A whole-step graph's rows are all logits rows, in order (the Runner passes arange(T)):
+            # the region's own gathers are the full-rows path already. A decode step, not a fallback.
+            return self.run(*args)
         if index.shape[0] == 0 or (step is not None and step.num_logits == 0):
             # Padded rows of an R == 0 step are never read: the outputs keep their padded size.
             self._record(reasons.NO_LOGITS_ROWS)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..runtime.step_context import current_step
+from .kernels.decode import decode_attention
 from .kernels.reference import prepare_kv, reference_attention, write_kv_rows
 from .kernels.split_kv import HAS_TRITON, split_kv_attention
 from .kernels.varlen import Kernel, flash_supported, flash_varlen_kernel, varlen_attention
@@ -132,6 +133,10 @@ def attention_op(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_s
     step = _require_step(layer)
     keys, values = prepare_kv(q, k, v, layer, kv_source, kv_written is not None, step)
     kernels = KERNELS
+    if step.decode_rows is not None:  # a whole-step CUDA graph: the cache (this step's rows written) in place
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return decode_attention(q, keys, values, step.decode_rows, scale, sliding_window, step.kv_cache.region_len,
+                                kernels.split_kv)
     if kernels.varlen_supported(q):
         out = varlen_attention(q, k, v, keys, values, sliding_window, scale, query_rows, step, kernels.varlen,
                                kernels.split_kv)

@@ -11,6 +11,7 @@ import array
 import logging
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -24,6 +25,7 @@ from ..compilation.fallbacks import FallbackCounter
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
 from .kv_cache import KVCache
 from .step_context import StepMetadata, step_context, to_device
+from .whole_step_graphs import MAX_ROWS_PER_REQUEST, WholeStepGraphs
 
 log = logging.getLogger("fx_fastprefill")
 
@@ -95,11 +97,17 @@ class Runner:
     step's rows are padded up to, with rows of a padding request whose results are dropped: CUDA
     graphs are recorded per size, so with a backend made with ``cudagraphs=True`` they default to
     :func:`default_token_pad_sizes`; otherwise to none.
+
+    ``whole_step_sizes``: with CUDA graphs, a step whose every row needs logits (decode, or up to
+    ``MAX_ROWS_PER_REQUEST`` draft rows per request) runs as one whole-step graph, padded up to
+    one of these row counts (runtime/whole_step_graphs.py); default: the step sizes up to the one
+    that holds ``max_num_seqs`` rows; ``()`` turns them off. ``step_counts`` counts the steps of each kind.
     """
 
     def __init__(self, model: nn.Module, *, backend: Any = None, max_num_tokens: int, max_model_len: int = 4096,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_num_seqs: int = 8,
-                 logits_pad_sizes: Sequence[int] | None = None, token_pad_sizes: Sequence[int] | None = None):
+                 logits_pad_sizes: Sequence[int] | None = None, token_pad_sizes: Sequence[int] | None = None,
+                 whole_step_sizes: Sequence[int] | None = None):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
         if not isinstance(max_model_len, int) or max_model_len < 1:
@@ -120,11 +128,19 @@ class Runner:
         elif self.backend is None and token_pad_sizes:
             raise ValueError("token_pad_sizes needs a compiled model (backend=...): eager steps are not padded")
         self.token_pad_sizes = _check_sizes("token_pad_sizes", token_pad_sizes, max_num_tokens)
+        self._recorder = self._graph_recorder()
+        if whole_step_sizes is None:
+            largest = pad_to_bucket(max_num_seqs, self.token_pad_sizes)
+            whole_step_sizes = [n for n in self.token_pad_sizes if n <= largest] if self._recorder is not None else []
+        elif whole_step_sizes and self._recorder is None:
+            raise ValueError("whole_step_sizes needs CUDA graphs: a backend made with cudagraphs=True, on CUDA")
+        self.whole_step_sizes = _check_sizes("whole_step_sizes", whole_step_sizes, max_num_tokens)
         self._forward: Callable = model if self.backend is None else compile_for_varying_sizes(model, self.backend)
         self._requests: dict[int, _Request] = {}
+        self._step_id = 0
+        self.step_counts: Counter[str] = Counter()  # "whole_step" / "piecewise" (compiled) / "eager"
         self.resize_kv_cache(max_num_seqs, max_model_len)
         self._next_seq_id = 0
-        self._step_id = 0
 
     def resize_kv_cache(self, max_num_seqs: int, max_model_len: int) -> None:
         """A new, empty KV cache for at most ``max_num_seqs`` requests of ``max_model_len`` tokens.
@@ -144,10 +160,39 @@ class Runner:
         # A compiled model never sees one token: Dynamo specializes size 1, so a lone decode token is
         # padded with a row of a padding request; steps are also padded up to ``token_pad_sizes``.
         # The padding request writes its K/V into slots of its own, after the requests' regions.
-        self.kv_cache = None  # let the old arrays go before the new ones are allocated
-        padding_slots = max([2, *self.token_pad_sizes]) if self.backend is not None else 0
+        self.kv_cache = self.whole_step_graphs = None  # let the old arrays go before the new ones are allocated
+        padding_slots = max([2, *self.token_pad_sizes, *self.whole_step_sizes]) if self.backend is not None else 0
         self.kv_cache = KVCache(max_num_seqs, max_model_len, self.device, self.dtype, padding_slots=padding_slots)
         self._padding = _Request(-1, [], 0, self.kv_cache.padding_base) if self.backend is not None else None
+        if self.whole_step_sizes:
+            self.whole_step_graphs = WholeStepGraphs(self._forward_step, self.kv_cache, self.whole_step_sizes,
+                                                     self._recorder, self._record_fallback, self._next_step_id)
+
+    def _graph_recorder(self) -> Any:
+        """What records whole-step graphs: the backend's stand-in recorder (tests), CUDA graphs on
+        CUDA, or None (no graphs)."""
+        if not self.cudagraphs:
+            return None
+        recorder = getattr(self.backend, "graph_recorder", None)
+        if recorder is not None:
+            return recorder
+        if self.device.type != "cuda":
+            return None
+        from ..compilation.cudagraphs import CUDAGraphRecorder
+        return CUDAGraphRecorder()
+
+    def _record_fallback(self, reason: str) -> None:
+        if self.fallbacks is not None:
+            self.fallbacks.record(reason)
+
+    def _next_step_id(self) -> int:
+        self._step_id += 1
+        return self._step_id
+
+    def _forward_step(self, meta: StepMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
+                      logits_indices: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), step_context(meta), varying_sizes(), cheap_guards():
+            return self._forward(input_ids, positions, logits_indices)
 
     @staticmethod
     def _resolve_backend(backend: Any) -> Any:
@@ -234,6 +279,12 @@ class Runner:
         requests = [self._padding if c.seq_id == -1 and self._padding is not None else self._requests[c.seq_id]
                     for c in chunks]
         num_tokens = sum(len(c.tokens) for c in chunks)
+        if (self.whole_step_graphs is not None and len(rows) == num_tokens and self._padding not in requests
+                and all(len(c.tokens) <= MAX_ROWS_PER_REQUEST for c in chunks)):
+            logits = self._run_whole_step(chunks, requests)
+            if logits is not None:
+                return logits
+        self.step_counts["piecewise" if self.backend is not None else "eager"] += 1
         if self._padding is not None:
             padded = max(2, pad_to_bucket(num_tokens, self.token_pad_sizes))
             if padded > num_tokens:
@@ -242,7 +293,6 @@ class Runner:
         query_start = [0]
         for chunk in chunks:
             query_start.append(query_start[-1] + len(chunk.tokens))
-        self._step_id += 1
         meta = StepMetadata(
             query_start=query_start,
             context_lens=[r.num_computed for r in requests],
@@ -250,7 +300,7 @@ class Runner:
             kv_cache=self.kv_cache,
             num_logits=len(rows),
             has_prefill=len(rows) < num_tokens,
-            step_id=self._step_id,
+            step_id=self._next_step_id(),
             logits_rows=list(rows),
         )
         ids = array.array("q")
@@ -260,18 +310,33 @@ class Runner:
         positions = to_device(torch.cat([torch.arange(r.num_computed, r.num_computed + len(c.tokens))
                                          for r, c in zip(requests, chunks)]), self.device)
         indices = padded_indices(rows, self.logits_pad_sizes, self.device, num_tokens=num_tokens)
-        with torch.no_grad(), step_context(meta), varying_sizes(), cheap_guards():
-            logits = self._forward(input_ids, positions, indices)
+        logits = self._forward_step(meta, input_ids, positions, indices)
         for request, chunk in zip(requests, chunks):
             if request is not self._padding:  # padding rows rewrite position 0 of their own region
                 request.num_computed += len(chunk.tokens)
         # With CUDA graphs the compiled model has already copied its outputs out of graph memory.
         return logits[: len(rows)]
 
+    def _run_whole_step(self, chunks: Sequence[SeqChunk], requests: list[_Request]) -> torch.Tensor | None:
+        """A step of logits rows only through its whole-step graph; None when it must run piecewise."""
+        ids, positions, first_slots = [], [], []
+        for chunk, request in zip(chunks, requests):
+            ids.extend(chunk.tokens)
+            positions.extend(range(request.num_computed, request.num_computed + len(chunk.tokens)))
+            first_slots.extend([request.slot_base] * len(chunk.tokens))
+        logits = self.whole_step_graphs.run(ids, positions, first_slots)
+        if logits is None:
+            return None
+        self.step_counts["whole_step"] += 1
+        for request, chunk in zip(requests, chunks):
+            request.num_computed += len(chunk.tokens)
+        return logits
+
     def capture(self, progress: bool = True) -> float:
         """Compile and record every padded size now rather than on the first steps that need it:
         each step size of ``token_pad_sizes`` with one logits row, then each logits size of
-        ``logits_pad_sizes`` (below the largest step size). Returns the seconds it took."""
+        ``logits_pad_sizes`` (below the largest step size), then each whole-step graph size.
+        Returns the seconds it took."""
         if self.backend is None:
             raise ValueError("capture() needs a compiled model (backend=...)")
         if self._requests:
@@ -287,6 +352,10 @@ class Runner:
             if progress:
                 sys.stderr.write(f"\rcapturing: {k + 1}/{len(jobs)} sizes (T={num_tokens}, R={num_logits})   ")
                 sys.stderr.flush()
+        if self.whole_step_graphs is not None:
+            if progress:
+                sys.stderr.write(f"\rcapturing: whole-step graphs of {self.whole_step_sizes} rows   ")
+            self.whole_step_graphs.warm_up_and_record()
         if progress:
             sys.stderr.write("\n")
         seconds = time.perf_counter() - start

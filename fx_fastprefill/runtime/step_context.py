@@ -17,6 +17,20 @@ from .kv_cache import KVCache
 
 
 @dataclass
+class DecodeRows:
+    """Per-row metadata of a step recorded as one whole-step CUDA graph, in device tensors at fixed
+    addresses (the graph reads them; the Runner rewrites them before each replay). Row ``r`` is
+    one query at ``position[r]`` of a request whose cache starts at slot ``key_start[r]``: it
+    writes its K/V to slot ``slots[r]`` and reads keys ``[key_start[r], key_start[r] + key_len[r])``.
+    Nothing in such a step may read the host lists of :class:`StepMetadata`: a replay runs no Python."""
+
+    slots: torch.Tensor      # int64 [P]
+    key_start: torch.Tensor  # int32 [P]
+    key_len: torch.Tensor    # int32 [P]
+    position: torch.Tensor   # int32 [P]
+
+
+@dataclass
 class StepMetadata:
     """One step of a packed variable-length batch.
 
@@ -37,8 +51,17 @@ class StepMetadata:
     # The real logits rows (before padding), when the caller knows them: lets a varlen kernel run
     # the query-subset form without reading the row indices back from the device.
     logits_rows: list[int] | None = None
+    # Set for a step run as (or recorded into) a whole-step CUDA graph: its rows' metadata on the
+    # device. The host lists above then describe only the recording call.
+    decode_rows: DecodeRows | None = None
     # Lazily built tensors, shared by every attention call of the step.
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def whole_step_graph(self) -> bool:
+        """The step is recorded into, or warms up, a whole-step CUDA graph: every row one query
+        that needs its logits, the attention inside the graph, fast prefill off (nothing to cut)."""
+        return self.decode_rows is not None
 
     @property
     def num_seqs(self) -> int:

@@ -58,7 +58,7 @@ if triton is not None:
         for offset in range(0, SPLIT_LEN, BLOCK_N):  # a fixed trip count; keys past hi are masked
             keys = block * SPLIT_LEN + offset + tl.arange(0, BLOCK_N)
             key_ok = (keys >= lo) & (keys < hi)
-            offs = (key_start + keys)[:, None]
+            offs = (key_start + keys).to(tl.int64)[:, None]  # slot x row stride passes 2**31 in large caches
             # K/V in the queries' dtype (a cache may be stored in another): cast per block, never a copy of the cache.
             k = tl.load(
                 k_ptr + offs * stride_kn + kv_head * stride_kh + dims[None, :], mask=key_ok[:, None], other=0.0

@@ -1,0 +1,132 @@
+"""Whole-step CUDA graphs for steps whose every row needs logits: decode, and a few draft rows.
+
+Piecewise graphs (compilation/cudagraphs.py) leave the attention ops and the gathers eager between
+the pieces, which costs host launches per layer; a decode step has no prefill rows to cut, so the
+whole forward can be one graph instead. One graph per padded row count ``P`` (a size of
+``sizes``):
+
+- the graph's inputs are one int64 device buffer (token ids, positions, the first cache slot of
+  each row's request) refilled by one host-to-device copy before a replay, and ``arange(P)`` as
+  the logits indices;
+- the rows' cache slots and key ranges (:class:`DecodeRows`) are computed inside the graph from
+  that buffer, and the attention reads them there (ops/kernels/decode.py): no host value that
+  changes between steps is baked into a launch;
+- rows past the step's own are padding rows, each a one-token request in a slot of its own
+  (after the requests' regions), at position 0;
+- a size is warmed up on its first step (compiled as needed, run without a graph), recorded on
+  its second; every size records into one memory pool (one graph runs at a time), and the
+  logits are copied out after each replay.
+
+The model runs with ``StepMetadata.decode_rows`` set, which turns fast prefill off for the step
+(every row is a logits row) and runs the piecewise regions without graphs of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..compilation import fallbacks as reasons
+from .kv_cache import KVCache
+from .step_context import DecodeRows, StepMetadata
+
+log = logging.getLogger("fx_fastprefill")
+
+# Rows of one request a whole-step graph takes: one decode token, or a few draft tokens to verify.
+# More rows per request re-read its keys once per row: chunks that long go the piecewise way.
+MAX_ROWS_PER_REQUEST = 4
+
+_WARMED, _RECORDED, _FAILED = "warmed", "recorded", "failed"
+
+
+class WholeStepGraphs:
+    """The graphs of one Runner, for row counts ``sizes``; ``forward(ids, positions, indices)``
+    runs the compiled model under the step context it is given; ``record_fallback`` counts each
+    eligible step that runs without a graph, with its reason."""
+
+    def __init__(self, forward: Callable[[StepMetadata, Tensor, Tensor, Tensor], Tensor], kv_cache: KVCache,
+                 sizes: Sequence[int], recorder: Any, record_fallback: Callable[[str], None],
+                 next_step_id: Callable[[], int]):
+        self.forward, self.kv_cache, self.sizes = forward, kv_cache, sorted(sizes)
+        self.recorder, self.record_fallback, self.next_step_id = recorder, record_fallback, next_step_id
+        device, self.max_rows = kv_cache.device, self.sizes[-1]
+        self.rows = torch.zeros(3, self.max_rows, dtype=torch.int64, device=device)  # ids, positions, first slots
+        self.indices = torch.arange(self.max_rows, device=device)
+        self.state: dict[int, str] = {}
+        self.graphs: dict[int, tuple[Any, Tensor]] = {}
+        self.pool: Any = None
+        self.replays = 0
+
+    def size_for(self, num_rows: int) -> int | None:
+        """The recorded size a step of ``num_rows`` rows pads to; None when it is larger than every size."""
+        return next((size for size in self.sizes if size >= num_rows), None)
+
+    def run(self, ids: Sequence[int], positions: Sequence[int], first_slots: Sequence[int],
+            size: int | None = None) -> Tensor | None:
+        """The logits of a step of these rows (a copy, ``[len(ids), vocab]``), through the graph of
+        ``size`` rows (default: the smallest that holds them); the first step of a size warms it
+        up. None when the step must run piecewise."""
+        num_rows = len(ids)
+        size = size or self.size_for(max(num_rows, 1))
+        if size is None:
+            self.record_fallback(reasons.WHOLE_STEP_TOO_LARGE)
+            return None
+        state = self.state.get(size)
+        if state == _FAILED:
+            self.record_fallback(reasons.WHOLE_STEP_RECORD_FAILED)
+            return None
+        self._fill(size, ids, positions, first_slots)
+        if state == _RECORDED:
+            graph, logits = self.graphs[size]
+            graph.replay()
+            self.replays += 1
+            return logits[:num_rows].clone()
+        if state is None:
+            self.state[size] = _WARMED
+            self.record_fallback(reasons.WHOLE_STEP_WARMUP)
+            return self._call(size)[:num_rows]
+        return self._record(size, num_rows)
+
+    def _fill(self, size: int, ids: Sequence[int], positions: Sequence[int], first_slots: Sequence[int]) -> None:
+        """Write the rows and the padding rows behind them into the input buffer, in one copy."""
+        pad = range(len(ids), size)
+        host = torch.tensor([[*ids, *(0 for _ in pad)], [*positions, *(0 for _ in pad)],
+                             [*first_slots, *(self.kv_cache.padding_base + j for j in pad)]], dtype=torch.int64)
+        if self.rows.is_cuda:  # from pinned memory: the host does not wait for the queued kernels
+            host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+        self.rows[:, :size].copy_(host, non_blocking=True)
+
+    def _call(self, size: int) -> Tensor:
+        """One forward of ``size`` rows from the input buffer (what a graph records)."""
+        ids, positions, first_slots = self.rows[0, :size], self.rows[1, :size], self.rows[2, :size]
+        rows = DecodeRows(slots=first_slots + positions, key_start=first_slots.int(), key_len=(positions + 1).int(),
+                          position=positions.int())
+        meta = StepMetadata(query_start=list(range(size + 1)), context_lens=[0] * size, slot_base=[0] * size,
+                            kv_cache=self.kv_cache, num_logits=size, has_prefill=False, step_id=self.next_step_id(),
+                            decode_rows=rows)
+        return self.forward(meta, ids, positions, self.indices[:size])
+
+    def _record(self, size: int, num_rows: int) -> Tensor | None:
+        if self.pool is None:
+            self.pool = self.recorder.new_pool()
+        try:
+            # A recompile inside a recording would compile on a capturing stream: fail instead.
+            with torch.compiler.set_stance("fail_on_recompile"):
+                graph, outputs = self.recorder.capture(lambda _: [self._call(size)], [], self.pool)
+        except Exception:  # noqa: BLE001 - counted and logged; this size runs piecewise from now on
+            log.warning("recording the whole-step CUDA graph of %d rows failed", size, exc_info=True)
+            self.state[size] = _FAILED
+            self.record_fallback(reasons.WHOLE_STEP_RECORD_FAILED)
+            return None
+        self.graphs[size], self.state[size] = (graph, outputs[0]), _RECORDED
+        return outputs[0][:num_rows].clone()
+
+    def warm_up_and_record(self) -> None:
+        """Record every size now, largest first, with padding rows only."""
+        for size in reversed(self.sizes):
+            while self.state.get(size) not in (_RECORDED, _FAILED):
+                self.run([], [], [], size)

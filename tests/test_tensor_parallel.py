@@ -1,10 +1,11 @@
 """Tensor parallelism on 2 CPU ranks (gloo): the cut goes through the collectives.
 
 transformers' own TP (``from_pretrained(..., tp_plan="auto")``) on saved random-weight Gemma 3n
-and Gemma 4 checkpoints (a Llama one for the disagreement check), and the flat example model sharded by examples/tp.py and run by the
-Runner on every rank. On each rank: cut, the KV-shared layers reduced, fp32 logits equal to the
-single-process model and to TP eager, greedy tokens equal to the single-process model's, the same
-plan fingerprint on both ranks. Ranks that plan different cuts both compile unchanged.
+and Gemma 4 checkpoints (a Llama one for the disagreement check), and the flat example model
+sharded by examples/tp.py and run by the Runner on every rank. On each rank: cut, the KV-shared
+layers reduced, fp32 logits equal to the single-process model and to TP eager, greedy tokens equal
+to the single-process model's, the same plan fingerprint on both ranks. Ranks that plan
+different cuts both compile unchanged.
 
 Every check runs in one spawn of 2 processes (a module-scoped fixture): a spawn costs seconds of
 imports; the compiles use ``compiler="eager"``.

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ...runtime.step_context import DecodeRows
+from .split_kv import decode_split_len
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, rows: DecodeRows, scale: float,
@@ -24,8 +25,9 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, rows: DecodeRows, 
         raise ValueError(f"a whole-step graph's attention got {q.shape[0]} query rows for {rows.position.shape[0]} "
                          "rows of step metadata")
     if split_kv_kernel is not None and q.is_cuda:
+        split_len = decode_split_len(q.shape[0], keys.shape[1], max_keys)
         return split_kv_kernel(q, keys, values, rows.key_start, rows.key_len, rows.position, scale, sliding_window,
-                               max_keys)
+                               max_keys, split_len=split_len)
     return gathered_decode_attention(q, keys, values, rows, scale, sliding_window, max_keys)
 
 

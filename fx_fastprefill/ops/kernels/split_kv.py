@@ -55,30 +55,32 @@ if triton is not None:
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for offset in range(0, SPLIT_LEN, BLOCK_N):  # a fixed trip count; keys past hi are masked
-            keys = block * SPLIT_LEN + offset + tl.arange(0, BLOCK_N)
-            key_ok = (keys >= lo) & (keys < hi)
-            offs = (key_start + keys).to(tl.int64)[:, None]  # slot x row stride passes 2**31 in large caches
-            # K/V in the queries' dtype (a cache may be stored in another): cast per block, never a copy of the cache.
-            k = tl.load(
-                k_ptr + offs * stride_kn + kv_head * stride_kh + dims[None, :], mask=key_ok[:, None], other=0.0
-            ).to(q.dtype)
-            v = tl.load(
-                v_ptr + offs * stride_vn + kv_head * stride_vh + dims[None, :], mask=key_ok[:, None], other=0.0
-            ).to(q.dtype)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            s = tl.where(key_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m = m_new
-        base = (row * num_kv_heads * GROUP + heads) * num_splits + split
-        tl.store(out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None])
-        tl.store(m_ptr + base, m, mask=head_ok)
-        tl.store(l_ptr + base, l, mask=head_ok)
+        # A fixed trip count; a block outside [lo, hi) is skipped: a split past a request's keys (a
+        # decode graph sizes its splits for the longest request) loads nothing and stores no output.
+        base = block * SPLIT_LEN
+        for offset in range(0, SPLIT_LEN, BLOCK_N):
+            if (base + offset < hi) & (base + offset + BLOCK_N > lo):
+                keys = base + offset + tl.arange(0, BLOCK_N)
+                key_ok = (keys >= lo) & (keys < hi)
+                offs = (key_start + keys).to(tl.int64)[:, None]  # slot x stride passes 2**31 in large caches
+                # K/V cast to the queries' dtype per block (a cache may be stored in another): no copy of the cache.
+                k_at = k_ptr + offs * stride_kn + kv_head * stride_kh + dims[None, :]
+                v_at = v_ptr + offs * stride_vn + kv_head * stride_vh + dims[None, :]
+                k = tl.load(k_at, mask=key_ok[:, None], other=0.0).to(q.dtype)
+                v = tl.load(v_at, mask=key_ok[:, None], other=0.0).to(q.dtype)
+                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+                s = tl.where(key_ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                l = l * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                m = m_new
+        at = (row * num_kv_heads * GROUP + heads) * num_splits + split
+        tl.store(out_ptr + at[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None] & (hi > lo))
+        tl.store(m_ptr + at, m, mask=head_ok)
+        tl.store(l_ptr + at, l, mask=head_ok)
 
     @triton.jit
     def _merge_kernel(part_ptr, m_ptr, l_ptr, out_ptr, num_splits,
@@ -92,8 +94,9 @@ if triton is not None:
         l = tl.load(l_ptr + pid * num_splits + splits, mask=ok, other=0.0)
         m_max = tl.max(m, 0)
         weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
-        part = tl.load(
-            part_ptr + (pid * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0
+        part = tl.load(  # a split without keys stored no partial output: not read
+            part_ptr + (pid * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
+            mask=(ok & (m > float("-inf")))[:, None], other=0.0
         )
         out = tl.sum(part * weight[:, None], 0) / tl.sum(l * weight, 0)
         tl.store(out_ptr + pid * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
@@ -104,7 +107,7 @@ def split_kv_attention(q: Tensor, k: Tensor, v: Tensor, key_start: Tensor, key_l
                        block_n: int = 64) -> Tensor:
     """``q [R, H, D]``; query ``r`` reads keys ``k[key_start[r] : key_start[r] + key_len[r]]`` of
     ``k, v [N, Hkv, D]`` and sits at ``position[r]`` among them; ``max_keys >= max(key_len)``, known
-    on the host. Returns ``[R, H, D]``."""
+    on the host; ``split_len`` keys per program (a multiple of ``block_n``). Returns ``[R, H, D]``."""
     if triton is None:
         raise RuntimeError("split_kv_attention needs Triton")
     rows, heads, head_dim = q.shape
@@ -129,3 +132,11 @@ def split_kv_attention(q: Tensor, k: Tensor, v: Tensor, key_start: Tensor, key_l
     _merge_kernel[(rows * heads,)](partial, m, l, out, num_splits,
                                    SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim)
     return out
+
+
+def decode_split_len(rows: int, kv_heads: int, max_keys: int, programs: int = 2048) -> int:
+    """Keys per program for a whole-step graph, whose splits cover ``max_keys`` whatever the
+    requests' lengths: about ``programs`` programs at full length, one request's keys spread over
+    many of them when the batch is small (at least 64 keys each, at most 512)."""
+    wanted = max_keys * rows * kv_heads // programs
+    return min(512, max(64, 1 << max(wanted - 1, 1).bit_length()))

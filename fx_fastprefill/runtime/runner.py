@@ -234,6 +234,23 @@ class Runner:
                 bound = f"[0, {self.vocab_size})" if self.vocab_size is not None else "an int"
                 raise ValueError(f"{seq_label}: token {i} is {token!r}, outside the vocabulary {bound}")
 
+    def _validate_step_tokens(self, chunks: Sequence[SeqChunk]) -> None:
+        """Every chunk's tokens, checked at once (a decode step of 64 requests checked chunk by
+        chunk cost ~0.7 ms of host time on the H200, the GPU idle); chunk by chunk only to name
+        the request with a bad token."""
+        packed = array.array("q")
+        try:
+            for chunk in chunks:
+                packed.extend(chunk.tokens)
+        except (TypeError, OverflowError):
+            packed = None
+        if packed is not None:
+            low, high = torch.aminmax(torch.frombuffer(packed, dtype=torch.int64))
+            if self.vocab_size is None or (int(low) >= 0 and int(high) < self.vocab_size):
+                return
+        for chunk in chunks:  # raises for the first bad token
+            self._validate_tokens(f"request {chunk.seq_id}", chunk.tokens)
+
     def step(self, chunks: Sequence[SeqChunk], logits_indices: Sequence[int] | None = None) -> torch.Tensor:
         """Run one step and return the logits rows ``[R, vocab]``.
 
@@ -253,7 +270,6 @@ class Runner:
             seen.add(chunk.seq_id)
             if len(chunk.tokens) == 0:
                 raise ValueError(f"request {chunk.seq_id}: a chunk needs at least one token")
-            self._validate_tokens(f"request {chunk.seq_id}", chunk.tokens)
             done = self._requests[chunk.seq_id].num_computed if chunk.seq_id in self._requests else 0
             if done + len(chunk.tokens) > self.max_model_len:
                 raise ValueError(
@@ -261,6 +277,7 @@ class Runner:
                     f"max_model_len={self.max_model_len}"
                 )
             total += len(chunk.tokens)
+        self._validate_step_tokens(chunks)
         if total > self.max_num_tokens:
             raise ValueError(f"the step has {total} tokens, more than max_num_tokens={self.max_num_tokens}")
         rows = default_logits_indices(chunks) if logits_indices is None else [int(r) for r in logits_indices]

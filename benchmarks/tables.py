@@ -5,6 +5,7 @@ speedups are over the ``--baseline`` variant of the same model and shape, in the
 
     python3 benchmarks/tables.py benchmarks/results/2026-12-03-h200-hf-*.json --baseline inductor
     python3 benchmarks/tables.py RESULTS.json --plot speedup.png
+    python3 benchmarks/tables.py --serve benchmarks/results/*-serve-*e2b.json --plot serve.png
 """
 
 from __future__ import annotations
@@ -156,13 +157,94 @@ def plot(rows: list[dict], path: str, baseline: str) -> None:
     fig.savefig(path)
 
 
+# Issue 21's targets: decode step ms (Gemma-3n-E2B shape) per batch, TTFT ratio per model, TPOT ratio.
+DECODE_TARGET_MS = {1: 2.0, 64: 4.0}
+TTFT_TARGET = {"gemma3n-e2b": 0.70, "gemma4-e2b": 0.48}
+TPOT_TARGET = 1.02
+
+
+def serve_markdown(records: list[dict]) -> str:
+    """benchmarks/serve.py's records: the workloads with and without the pass, then the decode steps."""
+    serve = {(r["model"], r["workload"], r["variant"]): r for r in records if r.get("phase") == "serve"}
+    lines = ["| model | workload | variant | TTFT p50 ms | TTFT p99 | TPOT p50 ms | TPOT p99 | output tok/s | "
+             "TTFT p50 / no_pass (ideal) | TPOT p50 / no_pass |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, workload, variant), r in sorted(serve.items()):
+        base = serve.get((model, workload, "no_pass"))
+        ttft = f"{r['ttft_p50_ms'] / base['ttft_p50_ms']:.3f} ({r['ideal_ttft_ratio']:.2f})" if base else ""
+        tpot = f"{r['tpot_p50_ms'] / base['tpot_p50_ms']:.3f}" if base else ""
+        lines.append(f"| {model} | {workload} | {variant} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
+                     f"{r['tpot_p50_ms']:.2f} | {r['tpot_p99_ms']:.2f} | {r['throughput_tok_s']:.0f} | "
+                     f"{ttft} | {tpot} |")
+    lines += ["", "| model | variant | decode batch | whole-step graph ms | piecewise ms |", "|---|---|---|---|---|"]
+    decode = defaultdict(dict)
+    for r in records:
+        if r.get("phase") == "decode":
+            decode[(r["model"], r["variant"], r["batch"])][r["graphs"]] = r["median_ms"]
+    for (model, variant, batch), by in sorted(decode.items()):
+        lines.append(f"| {model} | {variant} | {batch} | {by.get('whole_step', float('nan')):.2f} | "
+                     f"{by.get('piecewise', float('nan')):.2f} |")
+    return "\n".join(lines)
+
+
+def serve_targets(records: list[dict]) -> str:
+    """Issue 21's targets, met or not, from benchmarks/serve.py's records."""
+    lines = ["| model | target | measured | met |", "|---|---|---|---|"]
+    for r in records:
+        if (r.get("phase") == "decode" and r["graphs"] == "whole_step" and r["variant"] == "ffp"
+                and r["model"] == "gemma3n-e2b" and r["batch"] in DECODE_TARGET_MS):
+            limit = DECODE_TARGET_MS[r["batch"]]
+            lines.append(f"| {r['model']} | decode step, batch {r['batch']} <= {limit} ms | {r['median_ms']:.2f} ms | "
+                         f"{'yes' if r['median_ms'] <= limit else 'no'} |")
+    serve = {(r["model"], r["workload"], r["variant"]): r for r in records if r.get("phase") == "serve"}
+    for (model, workload, variant), r in sorted(serve.items()):
+        base = serve.get((model, workload, "no_pass"))
+        if variant != "ffp" or base is None:
+            continue
+        if workload == "vllm-8k" and model in TTFT_TARGET:
+            ratio = r["ttft_p50_ms"] / base["ttft_p50_ms"]
+            lines.append(f"| {model} | {workload} TTFT p50 <= {TTFT_TARGET[model]} x no_pass | {ratio:.3f} | "
+                         f"{'yes' if ratio <= TTFT_TARGET[model] else 'no'} |")
+        ratio = r["tpot_p50_ms"] / base["tpot_p50_ms"]
+        lines.append(f"| {model} | {workload} TPOT p50 <= {TPOT_TARGET} x no_pass | {ratio:.3f} | "
+                     f"{'yes' if ratio <= TPOT_TARGET else 'no'} |")
+    return "\n".join(lines)
+
+
+def serve_plot(records: list[dict], path: str) -> None:
+    """TTFT and TPOT p50 per model and workload, with and without the pass."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    serve = {(r["model"], r["workload"], r["variant"]): r for r in records if r.get("phase") == "serve"}
+    groups = sorted({(m, w) for m, w, _ in serve})
+    fig, axes = plt.subplots(1, 2, figsize=(max(7, 2.2 * len(groups)), 3.6))
+    for ax, metric, label in ((axes[0], "ttft_p50_ms", "TTFT p50 (ms)"), (axes[1], "tpot_p50_ms", "TPOT p50 (ms)")):
+        for i, variant in enumerate(("no_pass", "ffp")):
+            xs = [j + 0.4 * i for j, g in enumerate(groups) if (*g, variant) in serve]
+            ys = [serve[(*g, variant)][metric] for g in groups if (*g, variant) in serve]
+            ax.bar(xs, ys, 0.4, label=variant)
+        ax.set_xticks([j + 0.2 for j in range(len(groups))])
+        ax.set_xticklabels([f"{m}\n{w}" for m, w in groups], fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("files", nargs="+")
     parser.add_argument("--baseline", default="inductor")
     parser.add_argument("--plot", help="write a speedup bar chart of the prefill shapes here (needs matplotlib)")
     parser.add_argument("--targets", action="store_true", help="also print issue 3's targets, met or not")
+    parser.add_argument("--serve", action="store_true", help="files of benchmarks/serve.py: its tables and targets")
     args = parser.parse_args()
+    if args.serve:
+        records = load(args.files)
+        print(serve_markdown(records) + "\n\n" + serve_targets(records))
+        if args.plot:
+            serve_plot(records, args.plot)
+        return
     rows = speedups(load(args.files), args.baseline)
     print(markdown(rows, args.baseline))
     if args.targets:

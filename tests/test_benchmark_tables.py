@@ -57,3 +57,31 @@ def test_a_failed_variant_is_named_and_skipped(tmp_path, capsys):
     records = load([str(path)])
     assert [r["variant"] for r in records] == ["inductor"]
     assert "m ffp_cudagraph failed: AssertionError: stride" in capsys.readouterr().err
+
+
+def test_serve_targets_report_met_and_missed():
+    from benchmarks.tables import serve_markdown, serve_targets
+
+    def serve(model, variant, ttft, tpot, workload="vllm-8k"):
+        return {"phase": "serve", "model": model, "workload": workload, "variant": variant, "ttft_p50_ms": ttft,
+                "ttft_p99_ms": ttft, "tpot_p50_ms": tpot, "tpot_p99_ms": tpot, "throughput_tok_s": 1.0,
+                "ideal_ttft_ratio": 0.5}
+    records = [
+        serve("gemma3n-e2b", "no_pass", 100.0, 4.0), serve("gemma3n-e2b", "ffp", 69.0, 4.1),   # 0.69 met; 1.025 not
+        serve("gemma4-e2b", "no_pass", 100.0, 4.0), serve("gemma4-e2b", "ffp", 49.0, 4.0),     # 0.49 not met
+        {"phase": "decode", "model": "gemma3n-e2b", "variant": "ffp", "graphs": "whole_step", "batch": 1,
+         "median_ms": 1.9},
+        {"phase": "decode", "model": "gemma3n-e2b", "variant": "ffp", "graphs": "whole_step", "batch": 64,
+         "median_ms": 4.2},
+    ]
+    met = {(line.split("|")[1].strip(), line.split("|")[2].strip()): line.split("|")[4].strip()
+           for line in serve_targets(records).splitlines()[2:]}
+    assert met == {
+        ("gemma3n-e2b", "decode step, batch 1 <= 2.0 ms"): "yes",
+        ("gemma3n-e2b", "decode step, batch 64 <= 4.0 ms"): "no",
+        ("gemma3n-e2b", "vllm-8k TTFT p50 <= 0.7 x no_pass"): "yes",
+        ("gemma3n-e2b", "vllm-8k TPOT p50 <= 1.02 x no_pass"): "no",
+        ("gemma4-e2b", "vllm-8k TTFT p50 <= 0.48 x no_pass"): "no",
+        ("gemma4-e2b", "vllm-8k TPOT p50 <= 1.02 x no_pass"): "yes",
+    }
+    assert "| gemma3n-e2b | vllm-8k | ffp | 69.0 |" in serve_markdown(records)

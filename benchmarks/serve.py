@@ -221,6 +221,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--rate", type=float, default=None,
                         help="Poisson arrivals (requests/s) instead of a fixed concurrency")
+    parser.add_argument("--custom", metavar="N,PROMPT_LO-HI,OUTPUT_LO-HI,CONCURRENCY",
+                        help="a workload 'custom' of your own, e.g. 32,1024-4096,16-64,4 (with --workloads custom)")
     parser.add_argument("--max-num-tokens", type=int, default=8192, help="the token budget of a step")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=8192 + 256)
@@ -231,8 +233,12 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, fp32, small workloads")
     args = parser.parse_args()
     workloads = dict(WORKLOADS)
+    if args.custom:
+        n, prompt, output, concurrency = args.custom.split(",")
+        lo_hi = lambda text: tuple(int(x) for x in text.split("-"))  # noqa: E731
+        workloads["custom"] = Workload(int(n), lo_hi(prompt), lo_hi(output), concurrency=int(concurrency))
     if args.smoke:
-        args.model, workloads = "tiny", SMOKE_WORKLOADS
+        args.model, workloads = "tiny", {**SMOKE_WORKLOADS, **{k: v for k, v in workloads.items() if k == "custom"}}
         args.max_num_tokens, args.max_num_seqs, args.max_model_len = 32, 4, 80
         args.decode_batches, args.decode_context, args.decode_runs = "1,3", 20, 3
         device, dtype = torch.device("cpu"), torch.float32
@@ -253,6 +259,10 @@ def main() -> None:
             "torch": torch.__version__, "ideal_ttft_ratio": 1 - cfg.num_kv_shared_layers / cfg.n_layers,
             "max_num_tokens": args.max_num_tokens, "max_num_seqs": args.max_num_seqs}
     outputs: dict[str, dict[str, list[list[int]]]] = {}
+    unknown = [name for name in args.workloads.split(",") if name and name not in workloads]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; known: {', '.join(workloads)} (custom needs --custom)")
+    workloads = {name: workloads[name] for name in args.workloads.split(",") if name}
     for variant in args.variants.split(","):
         try:
             t0 = time.perf_counter()
@@ -275,8 +285,7 @@ def main() -> None:
                                     "graphs": graphs, "median_ms": statistics.median(times), "times_ms": times})
                     print(f"  decode batch {batch} ({graphs}): {records[-1]['median_ms']:.3f} ms", file=sys.stderr)
                     save()
-            for name in workloads:
-                workload = workloads[name]
+            for name, workload in workloads.items():
                 if args.rate is not None:
                     workload = Workload(workload.num_requests, workload.prompt_len, workload.output_len, rate=args.rate)
                 requests = make_requests(workload, cfg.vocab_size, args.seed)

@@ -375,6 +375,7 @@ class Runner:
             self.whole_step_graphs.warm_up_and_record()
         if progress:
             sys.stderr.write("\n")
+        self.step_counts.clear()  # what serving runs, not the recordings
         seconds = time.perf_counter() - start
         log.info("captured %d sizes in %.1f s", len(jobs), seconds)
         return seconds

@@ -296,8 +296,9 @@ class Runner:
         requests = [self._padding if c.seq_id == -1 and self._padding is not None else self._requests[c.seq_id]
                     for c in chunks]
         num_tokens = sum(len(c.tokens) for c in chunks)
-        if (self.whole_step_graphs is not None and len(rows) == num_tokens and self._padding not in requests
-                and all(len(c.tokens) <= MAX_ROWS_PER_REQUEST for c in chunks)):
+        if (self.whole_step_graphs is not None and len(rows) == num_tokens
+                and all(r is not self._padding and len(c.tokens) <= MAX_ROWS_PER_REQUEST
+                        for r, c in zip(requests, chunks))):
             logits = self._run_whole_step(chunks, requests)
             if logits is not None:
                 return logits

@@ -57,7 +57,7 @@ WORKLOADS = {
 }
 SMOKE_WORKLOADS = {
     "vllm-8k": Workload(4, (40, 40), (5, 5), concurrency=1),
-    "mixed-c8": Workload(10, (4, 60), (2, 9), concurrency=3),
+    "mixed-c8": Workload(8, (4, 60), (2, 9), concurrency=3),
 }
 VARIANTS = ("ffp", "no_pass")
 

@@ -19,7 +19,7 @@ import fx_fastprefill
 from fx_fastprefill import SeqChunk
 from tests.fuzz_models import FuzzModel, LayerSpec, ModelSpec
 
-settings.register_profile("ci", max_examples=7, deadline=None, derandomize=True,
+settings.register_profile("ci", max_examples=5, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("long", max_examples=400, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -29,6 +29,11 @@ def test_runner_errors_then_serves_correctly():
         runner.prefill([[1, 512]])
     with pytest.raises(ValueError, match="more than max_model_len=32"):
         runner.prefill([list(range(1, 40))])
+    # A step's chunks are checked together; the error names the request with the bad token.
+    with pytest.raises(ValueError, match=r"request 51: token 0 is -1, outside the vocabulary"):
+        runner.step([SeqChunk(50, [1, 2]), SeqChunk(51, [-1, 3])])
+    with pytest.raises(ValueError, match=r"request 50: token 1 is 2.0, outside the vocabulary"):
+        runner.step([SeqChunk(50, [1, 2.0]), SeqChunk(51, [3])])
     with pytest.raises(ValueError, match="max_new_tokens=8 it needs 35 positions"):
         runner.generate([list(range(1, 28))], 8)
     with pytest.raises(IndexError, match=r"logits_indices\[0\] = 9 is out of range \[0, 4\)"):

@@ -18,8 +18,11 @@ from fx_fastprefill.passes.capture_sdpa import capture_sdpa
 from fx_fastprefill.passes.fx_utils import input_name, placeholders
 from fx_fastprefill.passes.split_regions import FULL, REDUCED
 
+from fx_fastprefill.ops.schema import SDPA_OP, is_package_op
+
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
 from ..ops import sdpa as _sdpa_kernels  # noqa: F401
+from ..ops.attention import NO_BACKWARD
 from ..report.builder import build_report
 from ..report.report import ReportLog
 from . import fallbacks as fallback_reasons
@@ -31,6 +34,12 @@ from .pipeline import PIPELINE, Pass, PassContext, PipelineOptions, run_pipeline
 from .regions import CompiledProgram, StepGate
 
 log = logging.getLogger("fx_fastprefill")
+
+AUTOGRAD_REASON = (
+    "autograd is on (grad mode enabled and parameters or inputs require grad): the graph is compiled the standard "
+    "way, uncut, so that gradients are right; call the model under torch.no_grad() or torch.inference_mode() "
+    "for the cut"
+)
 
 
 def _decompositions():
@@ -45,6 +54,14 @@ def _static_inputs(inputs: list[Node]) -> set[Node]:
     metadata = getattr(context, "fw_metadata", None) if context is not None else None
     indices = getattr(metadata, "static_input_indices", None) or []
     return {inputs[i] for i in indices if i < len(inputs)}
+
+
+def needs_autograd(gm: GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """AOTAutograd's own test: grad mode on and an input (parameters included) that requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    inputs = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    return any(t.requires_grad for t in [*inputs, *gm.parameters()])
 
 
 class FastPrefillBackend:
@@ -92,10 +109,28 @@ class FastPrefillBackend:
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
         self._input_names = [input_name(n.name) for n in placeholders(gm)]
+        if needs_autograd(gm, example_inputs):
+            return self._compile_for_autograd(gm, example_inputs)
         if self.options.fast_prefill:
             capture_sdpa(gm)
         return aot_module_simplified(gm, example_inputs, fw_compiler=self._compile_aten,
                                      inference_compiler=self._compile_aten, decompositions=_decompositions())
+
+    def _compile_for_autograd(self, gm: GraphModule, example_inputs: Sequence[Any]):
+        """A graph that autograd differentiates is compiled the standard way, with no package op in
+        it: the cut's reduced region and its saved activations would not match the backward graph."""
+        if any(is_package_op(n) and n.target is not SDPA_OP for n in gm.graph.nodes):
+            raise RuntimeError(NO_BACKWARD)
+        graph_fallbacks = FallbackCounter()
+        self._fallback_recorder(graph_fallbacks)(fallback_reasons.AUTOGRAD)
+        ctx = PassContext(gm, self.options, unchanged=gm, declined=AUTOGRAD_REASON)
+        names = dict(zip(placeholders(gm), self._input_names))
+        self.reports.append(build_report(ctx, names, False, graph_fallbacks))
+        log.info("graph left unchanged: %s", AUTOGRAD_REASON)
+        if self.compiler == "eager":
+            return gm
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
 
     def _compile_aten(self, gm: GraphModule, example_inputs: Sequence[Any]):
         inputs = placeholders(gm)

@@ -18,6 +18,8 @@ NOT_SMALLER = "padded logits rows are not fewer than the tokens"
 NO_LOGITS_ROWS = "no logits rows in this step (R == 0): reduced region skipped"
 # Compile-time: a pass or the regions' compile failed; the graph was compiled unchanged (the report says why).
 PASS_FAILED = "the pass failed on this graph: compiled unchanged"
+# Compile-time: autograd differentiates the graph; compiled the standard way (the report says why).
+AUTOGRAD = "autograd is on: the graph was compiled the standard way, uncut"
 # Compile-time: the ranks of a tensor-parallel graph planned different cuts, or could not compare
 # them (compilation/spmd.py).
 RANKS_DISAGREE = "the ranks did not agree on one cut: compiled unchanged"

@@ -25,6 +25,13 @@ from .kernels.varlen import Kernel, flash_supported, flash_varlen_kernel, varlen
 from .schema import NAMESPACE
 
 
+NO_BACKWARD = (
+    "fx_fastprefill.attention has no backward: it writes and reads the step's KV cache, and a KV-sharing layer "
+    "reads another layer's cache, which autograd cannot follow. Run the model under torch.no_grad() or "
+    "torch.inference_mode() (fx_fastprefill.Runner does)"
+)
+
+
 @dataclass(frozen=True)
 class AttentionKernels:
     """The kernels the attention op runs: the varlen kernel where ``varlen_supported(q)`` (else the
@@ -163,5 +170,17 @@ def attention(q: Tensor, k: Tensor | None = None, v: Tensor | None = None, *, la
     ``query_rows`` (a model split by hand) says which batch rows ``q`` holds: a suffix of each
     request's rows, e.g. ``logits_indices``; each query keeps its position.
     """
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
+        raise RuntimeError(NO_BACKWARD)
     return torch.ops.fx_fastprefill.attention(q, k, v, layer, kv_source, sliding_window, scale, query_rows, None)
+
+
+def _no_backward(ctx, *grads):
+    raise RuntimeError(NO_BACKWARD)
+
+
+# Called through torch.ops with inputs that require grad, the ops fail at backward with the reason
+# (without a formula, autograd would warn once and return no gradient for them).
+torch.library.register_autograd(f"{NAMESPACE}::attention", _no_backward)
+torch.library.register_autograd(f"{NAMESPACE}::write_kv", _no_backward)
 

@@ -36,8 +36,7 @@ def _heads_inner(out: Tensor) -> Tensor:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-@torch.library.impl(f"{NAMESPACE}::sdpa", "CompositeExplicitAutograd")
-def sdpa_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
+def sdpa_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
             scale: float | None, enable_gqa: bool, layer: str, query_suffix: bool,
             causal_queries: int | None = None) -> Tensor:
     num_q, num_k = q.shape[-2], k.shape[-2]
@@ -53,10 +52,37 @@ def sdpa_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p
     return _heads_inner(out)
 
 
+torch.library.impl(f"{NAMESPACE}::sdpa", "CompositeExplicitAutograd")(sdpa_forward)
+
+
 def _and_mask(mask: Tensor, causal: Tensor, dtype: torch.dtype) -> Tensor:
     if mask.dtype == torch.bool:
         return mask & causal
     return mask.masked_fill(~causal, float("-inf")).to(mask.dtype if mask.is_floating_point() else dtype)
+
+
+def _sdpa_setup_context(ctx, inputs, output) -> None:
+    q, k, v, attn_mask, dropout_p, *rest = inputs
+    if dropout_p:
+        raise RuntimeError("fx_fastprefill::sdpa has no backward with dropout (the backward would need the "
+                           "forward's random mask); the backend leaves SDPA as it is when autograd is on")
+    ctx.save_for_backward(q, k, v, attn_mask)
+    ctx.rest = rest
+
+
+def _sdpa_backward(ctx, grad: Tensor):
+    """Recomputes the forward under autograd (F.scaled_dot_product_attention's own backward)."""
+    saved = ctx.saved_tensors
+    leaves = [t.detach().requires_grad_(needs) if isinstance(t, Tensor) else t
+              for t, needs in zip(saved, ctx.needs_input_grad)]
+    with torch.enable_grad():
+        out = sdpa_forward(*leaves[:3], leaves[3], 0.0, *ctx.rest)
+        wanted = [t for t, needs in zip(leaves, ctx.needs_input_grad) if needs]
+        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+    return tuple(next(grads) if i < 4 and ctx.needs_input_grad[i] else None for i in range(len(ctx.needs_input_grad)))
+
+
+torch.library.register_autograd(f"{NAMESPACE}::sdpa", _sdpa_backward, setup_context=_sdpa_setup_context)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::sdpa")

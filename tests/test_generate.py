@@ -84,12 +84,12 @@ def test_restore_puts_everything_back():
     model = _model("llama")
     config_before = (model.generation_config.cache_implementation, model.generation_config.disable_compile)
     fx_fastprefill.compile_for_generate(model, compiler="eager", decode_backend="eager")
-    assert model.generation_config.cache_implementation == "static"
+    assert model.generation_config.cache_implementation == config_before[0]  # chosen per call, not written
     with pytest.raises(RuntimeError, match="already compiled for generate"):
         fx_fastprefill.compile_for_generate(model)
     handle = model.fx_fastprefill
     fx_fastprefill.restore(model)
-    assert "forward" not in model.__dict__ and not hasattr(model, "fx_fastprefill")
+    assert "forward" not in model.__dict__ and "generate" not in model.__dict__ and not hasattr(model, "fx_fastprefill")
     assert (model.generation_config.cache_implementation, model.generation_config.disable_compile) == config_before
     _generate(model, [6], "dynamic", seed=0)
     assert handle.calls == {}, "generate after restore went through the compiled forward"
@@ -133,3 +133,62 @@ def test_one_unpadded_prompt_with_a_static_cache_is_cut(name):
     assert torch.equal(_generate(model, [13], "static", seed=7), expected)
     report = model.fx_fastprefill.reports[0]
     assert report.cut, report.reason
+
+
+def _chat(model, cache_kind: str, seed: int):
+    """Two turns of a chat, the second continuing from the first turn's cache (passed in both times)."""
+    from transformers import DynamicCache, StaticCache
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.get_text_config().vocab_size
+    first, more = torch.randint(3, vocab, (1, 11), generator=gen), torch.randint(3, vocab, (1, 6), generator=gen)
+    config = model.config.get_text_config(decoder=True)
+    cache = DynamicCache(config=config) if cache_kind == "dynamic" else StaticCache(config=config, max_cache_len=48)
+    with torch.no_grad():
+        turn1 = model.generate(input_ids=first, past_key_values=cache, max_new_tokens=4, min_new_tokens=4,
+                               do_sample=False, pad_token_id=0)
+        turn2 = model.generate(input_ids=torch.cat([turn1, more], 1), past_key_values=cache, max_new_tokens=4,
+                               min_new_tokens=4, do_sample=False, pad_token_id=0)
+    return turn1, turn2
+
+
+@pytest.mark.parametrize("name, cache", [("llama", "dynamic"), ("llama", "static"), ("gemma3n", "dynamic")])
+def test_a_cache_passed_in_continues_a_chat(name, cache):
+    """generate(past_key_values=cache) twice, the second turn on the first turn's cache: the cache
+    passed in wins over compile_for_generate's default (transformers refuses both), every prefill
+    is cut, tokens equal the uncompiled model's."""
+    model = _model(name)
+    expected = _chat(model, cache, seed=3)
+    torch._dynamo.reset()
+    fx_fastprefill.compile_for_generate(model, compiler="eager", decode_backend="eager")
+    got = _chat(model, cache, seed=3)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    handle = model.fx_fastprefill
+    assert handle.calls[PREFILL] == 2
+    assert handle.reports and all(r.cut for r in handle.reports), [r.reason for r in handle.reports]
+
+
+def _falcon(lying_config: bool):
+    """Falcon's default attention: multi-query, one K/V head shared by 4 query heads.
+    ``lying_config``: the config's num_key_value_heads says 4, as transformers 5.23's Falcon config
+    did (it had no such field, and the cache took the attention head count)."""
+    from examples.hf_zoo import _build
+    torch.manual_seed(0)
+    model = _build("FalconForCausalLM", "FalconConfig", vocab_size=96, hidden_size=32, num_hidden_layers=3,
+                   num_attention_heads=4)()
+    assert model.config.multi_query and not model.config.new_decoder_architecture
+    if lying_config:
+        model.config.num_key_value_heads = 4
+    return model
+
+
+@pytest.mark.parametrize("lying_config", [False, True], ids=["falcon", "falcon-config-says-4-kv-heads"])
+def test_static_cache_of_a_one_kv_head_model(lying_config):
+    """The static cache is sized by what the model writes (a fake-tensor probe of one token), not by
+    the config: one K/V head here, whatever the config says."""
+    model = _falcon(lying_config)
+    expected = _generate(model, [10, 7], "static", seed=2)
+    torch._dynamo.reset()
+    fx_fastprefill.compile_for_generate(model, compiler="eager", decode_backend="eager")
+    assert torch.equal(_generate(model, [10, 7], "static", seed=2), expected)
+    assert model.fx_fastprefill.forward.kv_shapes == [(1, 8)] * 3
+    assert model.fx_fastprefill.reports[0].cut

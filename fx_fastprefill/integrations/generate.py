@@ -22,6 +22,7 @@ compiled paths; given a ``torch.compile`` wrapper it unwraps it, with a warning.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -38,8 +39,6 @@ log = logging.getLogger("fx_fastprefill")
 
 PREFILL, DECODE = "prefill", "decode"
 HANDLE = "fx_fastprefill"  # the attribute the model carries while compiled for generate
-# generation_config fields compile_for_generate sets, put back by restore()
-_CONFIG_FIELDS = ("cache_implementation", "disable_compile")
 
 
 def _graphs_compiled() -> int:
@@ -110,6 +109,7 @@ class GenerateForward:
         self.decode_mode = mode
         self.static_decode = torch.compile(self.original, backend=decode_backend, mode=mode, dynamic=decode_dynamic)
         self.prompt_dynamic = True  # mark prompt-length dims dynamic before a prefill call
+        self.kv_shapes: list[tuple[int, int]] | None = None  # per static cache layer, probed once
         self.calls: Counter[str] = Counter()
         self.compiles: Counter[str] = Counter()
 
@@ -133,18 +133,58 @@ class GenerateForward:
     def _initialize(self, cache: Any, args: tuple, kwargs: dict) -> None:
         """Allocate a static cache's tensors before the compiled prefill: allocated inside it (as
         transformers does on a layer's first update), they would not be marked as static addresses,
-        and the decode CUDA graphs would copy the whole cache in and out at every step."""
+        and the decode CUDA graphs would copy the whole cache in and out at every step. Each layer
+        gets the K/V shape the model writes (read off a fake-tensor probe, see :func:`kv_shapes`)."""
         layers = getattr(cache, "layers", [])
         if all(getattr(layer, "is_initialized", True) for layer in layers):
             return
-        shape = getattr(self.model, "_get_static_cache_init_shape", lambda: None)()
-        if shape is None:
-            log.warning("the static cache cannot be allocated before the prefill (%s); its tensors are made inside "
-                        "the compiled prefill, and decode CUDA graphs may copy them every step", type(cache).__name__)
-            return
         ids = _input_ids(args, kwargs)
         batch = (ids if isinstance(ids, torch.Tensor) else kwargs["inputs_embeds"]).shape[0]
-        cache.early_initialization(batch, *shape, dtype=self.model.dtype, device=self.model.device)
+        if self.kv_shapes is None:
+            self.kv_shapes = kv_shapes(self.model, self.original, cache)
+        if not self.kv_shapes:
+            log.warning("the static cache of %s cannot be allocated before the prefill; its tensors are made inside "
+                        "the compiled prefill, and decode CUDA graphs may copy them every step",
+                        type(self.model).__name__)
+            return
+        heads, head_dims = zip(*self.kv_shapes)
+        cache.early_initialization(batch, list(heads), list(head_dims), dtype=self.model.dtype,
+                                   device=self.model.device)
+
+
+def kv_shapes(model: nn.Module, forward: Callable[..., Any], cache: Any) -> list[tuple[int, int]]:
+    """Per cache layer, the (K/V heads, head dim) the model writes to a static cache like ``cache``;
+    [] where they cannot be known (K and V of different sizes, or the probe failed).
+
+    The model's ``forward`` (uncompiled) runs once on fake tensors (no memory, no compute) with one token over a
+    fresh copy of the cache, and each layer's lazily made tensors are read: the shapes transformers
+    itself would allocate, for every model (Falcon's one shared K/V head whatever its config says,
+    per-layer head dims), where a config-derived shape can be wrong. Module state the forward
+    reassigns (a rotary cache, say) is put back."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    probe = copy.deepcopy(cache)
+    state = [(module, dict(module.__dict__), dict(module._buffers)) for module in model.modules()]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+            forward(input_ids=ids, past_key_values=probe, use_cache=True, logits_to_keep=1)
+    except Exception as e:  # noqa: BLE001 - the shapes are then unknown: the cache is made in the prefill
+        log.warning("probing the K/V shapes of %s failed (%s: %s)", type(model).__name__, type(e).__name__, e)
+        return []
+    finally:
+        for module, attributes, buffers in state:
+            module.__dict__.update(attributes)
+            module._buffers.update(buffers)
+    shapes = []
+    for layer in probe.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not getattr(layer, "supports_early_init", True) or keys is None:
+            shapes.append((1, 1))  # a layer early initialization skips (a KV-shared layer's placeholder)
+        elif keys.shape[1] != values.shape[1] or keys.shape[-1] != values.shape[-1]:
+            return []  # early_initialization makes K and V of one shape
+        else:
+            shapes.append((keys.shape[1], keys.shape[-1]))
+    return shapes
 
 
 class GenerateCompilation:
@@ -200,10 +240,12 @@ def compile_for_generate(model: nn.Module, *, backend: FastPrefillBackend | None
     :func:`restore`).
 
     ``backend``: the FastPrefillBackend of the prefill graphs (default ``fx_fastprefill.backend(**options)``).
-    ``cache_implementation``: written to ``model.generation_config`` (default ``"static"``: decode
-    with CUDA graphs on CUDA; ``None`` keeps the model's, ``"dynamic"`` a DynamicCache); a cache
-    passed to ``generate`` wins, as always. ``decode_backend``: the ``torch.compile`` backend of
-    decode steps over a static cache (``"inductor"``: with ``mode="reduce-overhead"`` on CUDA).
+    ``cache_implementation``: what ``generate`` calls that choose no cache get (default
+    ``"static"``: decode with CUDA graphs on CUDA; ``"dynamic"`` a DynamicCache; ``None`` the
+    model's generation config decides). A call that passes a cache (``past_key_values=``), a
+    ``cache_implementation`` or a ``generation_config`` goes through as it is.
+    ``decode_backend``: the ``torch.compile`` backend of decode steps over a static cache
+    (``"inductor"``: with ``mode="reduce-overhead"`` on CUDA).
     ``decode_dynamic``: their ``dynamic`` (True: one graph for every cache length, so a longer
     prompt, which makes transformers allocate a longer static cache, does not recompile).
     """
@@ -226,15 +268,33 @@ def compile_for_generate(model: nn.Module, *, backend: FastPrefillBackend | None
         log.warning("%s.forward takes no logits_to_keep: generate computes logits for every row and the prefill "
                     "graph cannot be cut", type(model).__name__)
     config = model.generation_config
-    saved = {field: getattr(config, field, None) for field in _CONFIG_FIELDS}
-    if cache_implementation is not None:
-        config.cache_implementation = None if cache_implementation == "dynamic" else cache_implementation
+    saved = {"disable_compile": getattr(config, "disable_compile", None)}
     # transformers would otherwise compile __call__ itself for a static cache, around this forward.
     config.disable_compile = True
     forward = GenerateForward(model, backend, decode_backend, decode_dynamic)
     model.forward = forward
+    model.generate = GenerateWithCache(model.generate, cache_implementation)
     setattr(model, HANDLE, GenerateCompilation(forward, backend, saved))
     return model
+
+
+class GenerateWithCache:
+    """The model's ``generate`` while compiled: asks for the cache implementation of
+    :func:`compile_for_generate` on calls that name none. A call that passes a cache of its own (a
+    chat continued from the last turn's cache), a ``cache_implementation`` or a ``generation_config``
+    goes through as it is: transformers refuses a cache together with a cache implementation, so the
+    choice is made per call, not written into the model's generation config."""
+
+    def __init__(self, generate: Callable[..., Any], cache_implementation: str | None):
+        self.original = generate
+        self.cache_implementation = cache_implementation
+        functools.update_wrapper(self, generate)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        chosen = any(kwargs.get(name) is not None for name in ("past_key_values", "cache", "generation_config"))
+        if self.cache_implementation is not None and not chosen and "cache_implementation" not in kwargs:
+            kwargs["cache_implementation"] = None if self.cache_implementation == "dynamic" else "static"
+        return self.original(*args, **kwargs)
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -243,7 +303,7 @@ def restore(model: nn.Module) -> nn.Module:
     if not isinstance(handle, GenerateCompilation):
         raise ValueError(f"{type(model).__name__} is not compiled for generate "
                          f"(fx_fastprefill.compile_for_generate was not called on it)")
-    del model.forward
+    del model.forward, model.generate
     delattr(model, HANDLE)
     for field, value in handle.saved_config.items():
         setattr(model.generation_config, field, value)

@@ -101,9 +101,38 @@ def _single_symbol(expr: sympy.Expr) -> sympy.Symbol | None:
 
 NO_SELECTION = (
     "no row selection to hoist: neither a gather by a graph input (hidden[logits_indices]) nor a slice of the "
-    "last rows (hidden[:, -k:], transformers' logits_to_keep). Logits for all rows were asked for "
-    "(logits_to_keep=0, the default of a plain forward), or the step has one token per sequence (decode)"
+    "last rows (hidden[:, -k:], transformers' logits_to_keep) in this graph. Either logits for all rows were asked "
+    "for (logits_to_keep=0, the default of a plain forward), or the step has one token per sequence (decode), or a "
+    "graph break left the row selection in another graph (this one returns every row; torch.compile(..., "
+    "fullgraph=True) names the break)"
 )
+
+
+def _clamped_suffix(gm: GraphModule) -> str | None:
+    """The reason when the graph's row selection is ``x[:, -k:]`` with a k that may exceed the token
+    count: it keeps min(k, T) rows, not k, so there is no fixed logits-row count to cut to."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.slice.Tensor:
+            continue
+        shape, out = shape_exprs(node.args[0].meta.get("val")), shape_exprs(node.meta.get("val"))
+        if not shape or not out:
+            continue
+        dim, start, end, step = slice_args(node)
+        dim = dim + len(shape) if dim < 0 else dim
+        rows = shape[dim]
+        if step not in (None, 1) or not is_open_end(end) or not (rows.is_Integer or _single_symbol(rows)):
+            continue
+        if isinstance(start, int) and start < 0:
+            name = str(-start)
+        elif isinstance(start, Node) and start.target is operator.neg and isinstance(start.args[0], Node) \
+                and isinstance(start.args[0].meta.get("val"), torch.SymInt):
+            name = f"k ({start.args[0].meta['val'].node.expr})"
+        else:
+            continue
+        if out[dim] == rows:  # Dynamo's guards have k >= T in this graph
+            return (f"the row selection x[:, -k:] keeps every row in this graph: logits_to_keep={name} is not less "
+                    f"than the token count ({rows}), so there are no fewer logits rows to cut to")
+    return None
 
 
 def find_seeds(gm: GraphModule) -> tuple[list[tuple[Node, Layout]], Node, sympy.Symbol, sympy.Symbol]:
@@ -156,9 +185,11 @@ def _suffix_slice(node: Node) -> tuple[Layout, sympy.Expr, int | Node, sympy.Exp
     rows = shape[dim] if shape[dim].is_Integer else _single_symbol(shape[dim])
     if rows is None:
         return None
+    out = shape_exprs(node.meta.get("val"))
     if isinstance(start, int):
-        # A constant k: Dynamo's guards keep k <= rows; a static slice of every row saves nothing.
-        if start < 0 and not (rows.is_number and -start >= rows):
+        # A constant k: the slice has k rows only where the graph knows k <= rows (a static T > k, or
+        # a guard); with k > T possible it has min(k, T), its size is not k, and every row is kept.
+        if start < 0 and out and out[dim] == -start and not (rows.is_number and -start >= rows):
             return Layout(dim), rows, -start, sympy.Integer(-start)
         return None
     # A symbolic k, sliced as x[:, -k:]. Dynamo specializes k of 0 and 1 (their own graphs: -0 is
@@ -167,7 +198,7 @@ def _suffix_slice(node: Node) -> tuple[Layout, sympy.Expr, int | Node, sympy.Exp
     if isinstance(start, Node) and start.target is operator.neg and isinstance(start.args[0], Node) \
             and start.args[0].op == "placeholder":
         k = start.args[0]
-        k_val, out = k.meta.get("val"), shape_exprs(node.meta.get("val"))
+        k_val = k.meta.get("val")
         if isinstance(k_val, torch.SymInt) and isinstance(k_val.node.expr, sympy.Symbol) and out \
                 and out[dim] == k_val.node.expr and k_val.node.expr != rows:
             return Layout(dim), rows, k, k_val.node.expr
@@ -216,6 +247,9 @@ def analyze(gm: GraphModule) -> HoistPlan:
     except NoCut:
         found = find_suffix_seed(gm)
         if found is None:
+            clamped = _clamped_suffix(gm)
+            if clamped:
+                raise NoCut(clamped) from None
             raise
         seed, layout, rows, count, reduced = found
         plan = HoistPlan(rows, reduced, None, [(seed, layout)], suffix=count)

@@ -78,7 +78,8 @@ def test_report_names_the_shared_layers_their_sources_and_the_narrowed_inputs(na
 
 @pytest.mark.parametrize("kwargs, reason", [
     ({"output_hidden_states": True}, "hidden states or attentions asked for"),
-    ({"logits_to_keep": 0}, "Logits for all rows were asked for"),
+    ({"logits_to_keep": 0}, "logits for all rows were asked for"),
+    ({"logits_to_keep": 30}, "keeps every row in this graph: logits_to_keep=30 is not less than"),
 ])
 def test_outputs_that_need_every_row_leave_the_graph_unchanged(kwargs, reason):
     compiled = Compiled(QUICKEST)
@@ -91,6 +92,56 @@ def test_outputs_that_need_every_row_leave_the_graph_unchanged(kwargs, reason):
     torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
     [report] = compiled.backend.reports
     assert not report.cut and reason in report.reason, report.reason
+
+
+@pytest.mark.parametrize("keep", [2, 30])
+def test_dynamic_logits_to_keep_beyond_the_prompt_is_not_cut_and_right(keep):
+    """Gemma 4 (its own slicing of the shared inputs), dynamic=True, k > T: transformers' slice keeps
+    min(k, T) rows, so there is nothing to cut to. A plain reason, no internal error."""
+    torch.manual_seed(0)
+    model = hf_gemma4.tiny(**hf_gemma4.SMALLEST) if "gemma4" in MODELS else hf_gemma3n.tiny(**hf_gemma3n.SMALLEST)
+    backend = fx_fastprefill.backend(compiler="eager")
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, backend=backend, dynamic=True)
+    ids, mask = left_padded_batch([12, 9], model.config.vocab_size, pad_id=0, seed=4)
+    with torch.no_grad():
+        for k in (2, keep):  # a first k that Dynamo then makes dynamic, or specializes
+            got = forward(input_ids=ids, attention_mask=mask, logits_to_keep=k, use_cache=False).logits
+            want = model(input_ids=ids, attention_mask=mask, logits_to_keep=k, use_cache=False).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    report = backend.reports[-1]
+    assert report.fallbacks.get(fx_fastprefill.compilation.fallbacks.PASS_FAILED) is None
+    assert "internal error" not in report.reason
+    if keep == 30:
+        assert not report.cut and "keeps every row in this graph" in report.reason, report.reason
+    else:
+        assert report.cut, report.reason
+
+
+def test_a_graph_break_before_the_logits_slice_is_named():
+    """The decoder in one graph, the logits slice in the next: the decoder graph's reason says a
+    graph break may have left the row selection elsewhere; the answer stays right."""
+    from torch import nn
+
+    class SplitByBreak(nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids):
+            hidden = self.lm.model(input_ids=ids, use_cache=False).last_hidden_state
+            torch._dynamo.graph_break()
+            return self.lm.lm_head(hidden[:, -1:])
+
+    torch.manual_seed(0)
+    model = SplitByBreak(QUICKEST.tiny(**QUICKEST.SMALLEST)).eval()
+    backend = fx_fastprefill.backend(compiler="eager")
+    torch._dynamo.reset()
+    ids = torch.randint(3, 200, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend)(ids), model(ids), rtol=1e-5, atol=1e-5)
+    decoder = backend.reports[0]
+    assert not decoder.cut and "a graph break left the row selection in another graph" in decoder.reason
 
 
 def test_plain_sdpa_model_with_causal_flag_matches():

@@ -7,17 +7,21 @@ Three kinds of attention node:
   dataflow. A layer shares K/V when its K and V arguments, followed back through views, expands
   and copies (each layer's own GQA repeat), are the same tensors as an earlier layer's; its source
   is the first layer that used them.
-- eager attention (``attn_implementation="eager"``), recognised by its pattern: ``bmm(Q, K^T)``,
-  then elementwise ops (scale, softcap, mask) and views, a softmax over the keys (decomposed or
-  not), then ``bmm(P, V)``. The node is the second ``bmm``; the relation is dataflow, as for
-  sdpa. Nothing is rewritten: the hoist passes the pattern with its generic rules (queries' rows,
-  keys and values whole, the mask gathered on its query dim), exact for any row selection.
+- eager attention (``attn_implementation="eager"``), recognised by its pattern: ``bmm(Q, K^T)``
+  (or ``baddbmm(bias, Q, K^T)``: BLOOM's ALiBi bias added in the product), then elementwise ops
+  (scale, softcap, mask) and views, a softmax over the keys (decomposed or not), then
+  ``bmm(P, V)``. Attention sinks are part of the pattern (gpt-oss: a logit per head joined to the
+  scores along the keys before the softmax, its probability sliced off after). The node is the
+  second ``bmm``; the relation is dataflow, as for sdpa. Nothing is rewritten: the hoist passes
+  the pattern with its generic rules (queries' rows, keys and values whole, the mask gathered on
+  its query dim), exact for any row selection.
 
 Invariants: reads only.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +70,8 @@ def kv_root(node: Node) -> Node:
 # Eager attention: the views and casts between its two bmms, and the softmax (whole or decomposed).
 _SCORE_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
                 aten.clone.default, prims.convert_element_type.default, aten._to_copy.default}
-_SOFTMAX_PARTS = {aten._softmax.default, aten.amax.default, aten.sum.dim_IntList}
+_KEY_DIM_OPS = {aten._softmax.default, aten.amax.default, aten.max.dim, aten.sum.dim_IntList, aten.slice.Tensor,
+                aten.cat.default}
 
 
 def _is_pointwise(node: Node) -> bool:
@@ -78,14 +83,25 @@ def _tensor_operands(node: Node) -> list[Node]:
     return [a for a in node.args if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor)]
 
 
-def _last_dim_reduction(node: Node) -> bool:
-    """A softmax or one of its decomposed reductions (amax, sum with keepdim) over the last dim."""
-    if node.target not in _SOFTMAX_PARTS:
+def _along_last_dim(node: Node) -> bool:
+    """A softmax or one of its decomposed reductions (amax, max, sum with keepdim) over the last
+    dim (the keys), or a slice or a cat along it (attention sinks: a per-head logit joined to the
+    scores before the softmax, its probability dropped after)."""
+    if node.target not in _KEY_DIM_OPS:
         return False
-    rank = node.args[0].meta["val"].dim()
-    dims = node.args[1] if len(node.args) > 1 else None
+    first = node.args[0][0] if node.target is aten.cat.default else node.args[0]
+    rank = first.meta["val"].dim()
+    dims = node.args[1] if len(node.args) > 1 else (0 if node.target in (aten.slice.Tensor, aten.cat.default) else None)
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     return len(dims) == 1 and dims[0] in (-1, rank - 1)
+
+
+def _score_operands(node: Node) -> list[Node]:
+    if node.target is aten.cat.default:
+        return [a for a in node.args[0] if isinstance(a, Node)]
+    if node.target is operator.getitem:  # values of a max over the keys
+        return [node.args[0]] if node.args[1] == 0 and node.args[0].target is aten.max.dim else []
+    return _tensor_operands(node)
 
 
 def _eager_attention(out: Node, limit: int = 256) -> tuple[Node, bool] | None:
@@ -102,12 +118,16 @@ def _eager_attention(out: Node, limit: int = 256) -> tuple[Node, bool] | None:
         seen.add(node)
         if len(seen) > limit:
             return None
-        if node.op == "call_function" and node.target is aten.bmm.default:
-            scores.add(node)
+        if node.op == "call_function" and node.target in (aten.bmm.default, aten.baddbmm.default):
+            scores.add(node)  # baddbmm: a bias added to the scores (BLOOM's ALiBi)
+            masked = masked or node.target is aten.baddbmm.default
         elif node.op == "call_function" and (node.target in _SCORE_VIEWS or _is_pointwise(node)
-                                             or _last_dim_reduction(node)):
+                                             or node.target is operator.getitem or _along_last_dim(node)):
             softmax = softmax or node.target in (aten.exp.default, aten._softmax.default)
-            stack.extend(_tensor_operands(node))
+            operands = _score_operands(node)
+            if not operands and node.target is operator.getitem:
+                return None
+            stack.extend(operands)
         else:
             masked = masked or node.meta["val"].dim() >= 2
     if len(scores) != 1 or not softmax:
@@ -142,5 +162,6 @@ def find_attention_nodes(graph: Graph) -> list[AttentionNode]:
             eager_names[layer] = eager_names.get(layer, 0) + 1
             if eager_names[layer] > 1:
                 layer = f"{layer}#{eager_names[layer]}"
-            found.append(dataflow(node, layer, scores.args[1], node.args[1], masked))
+            keys = scores.args[2] if scores.target is aten.baddbmm.default else scores.args[1]
+            found.append(dataflow(node, layer, keys, node.args[1], masked))
     return found

@@ -37,7 +37,7 @@ from fx_fastprefill.ops.schema import (ATTENTION_OP, K, KV_WRITTEN, Q, QUERY_ROW
 
 from .fx_utils import reaches_end
 from .sorted_dispatch import sorted_dispatch
-from .token_layout import Layout, depends_on, map_view_layout, shape_exprs
+from .token_layout import Layout, depends_on, is_factor, map_view_layout, shape_exprs
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -179,12 +179,31 @@ def _addmm(node, layout, rows):
 
 @rule(aten.bmm.default)
 def _bmm(node, layout, rows):
-    x, y = node.args
+    return _bmm_operands(*node.args, layout, first=0)
+
+
+@rule(aten.baddbmm.default)
+def _baddbmm(node, layout, rows):
+    """``beta * bias + alpha * x @ y`` (BLOOM's ALiBi scores): the product's rule, the bias
+    broadcast against the output like an elementwise operand."""
+    bias = node.args[0]
+    req = _broadcast_requirement(("args", 0), bias, _shape(node), layout)
+    if isinstance(req, str):
+        return req
+    result = _bmm_operands(node.args[1], node.args[2], layout, first=1)
+    result.requirements.insert(0, req)
+    return result
+
+
+def _bmm_operands(x: Node, y: Node, layout: Layout, first: int) -> RuleResult:
+    """A batched product's operands (args ``first`` and ``first + 1``): the batch dim in both, rows
+    of the output in ``x``, columns in ``y``."""
+    path_x, path_y = ("args", first), ("args", first + 1)
     if layout.axis == 0:  # batch dim: output batch i is x[i] @ y[i], whatever the grouping
-        return RuleResult([Requirement(("args", 0), x, layout), Requirement(("args", 1), y, layout)])
+        return RuleResult([Requirement(path_x, x, layout), Requirement(path_y, y, layout)])
     if layout.axis == 1:
-        return RuleResult([Requirement(("args", 0), x, layout), Requirement(("args", 1), y, None)])
-    return RuleResult([Requirement(("args", 0), x, None), Requirement(("args", 1), y, layout)])
+        return RuleResult([Requirement(path_x, x, layout), Requirement(path_y, y, None)])
+    return RuleResult([Requirement(path_x, x, None), Requirement(path_y, y, layout)])
 
 
 def _rewrite_size_list(node: Node, arg_index: int, layout: Layout, rows) -> dict | str:
@@ -231,9 +250,17 @@ def _view(node, layout, rows):
 
 @rule(aten.expand.default)
 def _expand(node, layout, rows):
+    """Row-aligned where the source has the rows; where it broadcasts one row over the token dim (a
+    per-head sink logit expanded over the queries) the source is needed whole and the expanded
+    size becomes the reduced row count."""
     src = node.args[0]
     out_shape, shape = _shape(node), _shape(src)
     axis = layout.axis - (len(out_shape) - len(shape))
+    if axis >= 0 and shape[axis] == 1 and out_shape[layout.axis] != 1 and layout.plain:
+        rewrites = _rewrite_size_list(node, 1, layout, rows)
+        if isinstance(rewrites, str):
+            return rewrites
+        return RuleResult([Requirement(("args", 0), src, None)], rewrites)
     if axis < 0 or sympy.simplify(shape[axis] - out_shape[layout.axis]) != 0:
         return "expand creates the token dim"
     rewrites = _rewrite_size_list(node, 1, layout, rows)
@@ -244,13 +271,23 @@ def _expand(node, layout, rows):
 
 @rule(aten.repeat.default)
 def _repeat(node, layout, rows):
+    """Off the token dim, row-aligned. Along it, ``n`` copies of the rows one after the other (a
+    Llama-4-style MoE feeds every expert all rows as ``x.repeat(E, 1)``): element ``i`` is the
+    source's ``i mod S``, so rows asked for in ``outer`` groups are the source's rows in ``outer / n``
+    groups, when ``n`` divides ``outer`` (the reader views the copies apart, ``[E*T, H] -> [E, T, H]``)."""
     src, repeats = node.args
     axis = layout.axis - (len(repeats) - len(_shape(src)))
-    if axis < 0 or repeats[layout.axis] != 1:
-        return "repeat along the token dim"
     if any(depends_on(r, rows) for r in repeats):
         return "repeat counts depend on the token count"
-    return RuleResult([Requirement(("args", 0), src, layout.moved(axis))])
+    copies = repeats[layout.axis]
+    if axis < 0:
+        return "repeat adds the token dim"
+    if copies == 1:
+        return RuleResult([Requirement(("args", 0), src, layout.moved(axis))])
+    outer = sympy.simplify(layout.outer / copies)
+    if not isinstance(copies, int) or not is_factor(outer, rows):
+        return "repeat along the token dim whose copies are not read apart"
+    return RuleResult([Requirement(("args", 0), src, Layout(axis, layout.inner, outer))])
 
 
 @rule(aten.permute.default)
@@ -369,6 +406,13 @@ def _reduce_dims(node, layout, rows):
     return _reduction(node, layout, rows, dims, keepdim)
 
 
+@rule(aten.max.dim, aten.min.dim)
+def _max_dim(node, layout, rows):
+    """(values, indices) over one dim, reached through getitem."""
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return _reduction(node, layout, rows, [node.args[1]], keepdim)
+
+
 @rule(aten.var.correction, aten.var_mean.correction)
 def _var(node, layout, rows):
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
@@ -420,6 +464,37 @@ def _index(node, layout, rows):
                            Requirement(("args", 1, d), index, layout.moved(layout.axis - d))])
     axis = layout.axis if layout.axis < d else layout.axis - width + 1
     return RuleResult([Requirement(("args", 0), src, layout.moved(axis)), Requirement(("args", 1, d), index, None)])
+
+
+@rule(aten.gather.default)
+def _gather(node, layout, rows):
+    """``out[..i..][j] = src[..i..][index[..i..][j]]`` along another dim than the token dim (a router
+    picking its experts' scores per row): the output's rows are the source's and the index's."""
+    src, dim, index = node.args[:3]
+    rank = len(_shape(src))
+    if _norm_dim(dim, rank) == layout.axis:
+        return "gather along the token dim"
+    if sympy.simplify(_shape(src)[layout.axis] - _shape(node)[layout.axis]) != 0:
+        return "gather of fewer rows than its source"
+    return RuleResult([Requirement(("args", 0), src, layout), Requirement(("args", 2), index, layout)])
+
+
+@rule(aten.scatter.value, aten.scatter.src, aten.scatter_add.default, aten.scatter_reduce.two)
+def _scatter(node, layout, rows):
+    """``out = self; out[..i..][index[..i..][j]] = src[..i..][j]`` along another dim than the token
+    dim (a router's mask of chosen experts or groups): row-aligned, every operand on the same rows."""
+    dim = node.args[1]
+    if _norm_dim(dim, len(_shape(node))) == layout.axis:
+        return "scatter along the token dim"
+    result = RuleResult()
+    for i in (0, 2, 3):
+        arg = node.args[i] if len(node.args) > i else None
+        if not isinstance(arg, Node):
+            continue
+        if sympy.simplify(_shape(arg)[layout.axis] - _shape(node)[layout.axis]) != 0:
+            return f"scatter whose operand {i} has other rows than its output"
+        result.requirements.append(Requirement(("args", i), arg, layout))
+    return result
 
 
 @rule(aten.topk.default, aten.sort.default, aten.sort.stable)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import operator
 
 import pytest
+import sympy
 import torch
 import torch.nn.functional as F
 
@@ -70,15 +71,26 @@ CASES = [
         0,
         {0: 0},
     ),
-    (
-        "expand makes rows",
-        lambda x, y: x.expand_as(y),
-        [(1, D), (T, D)],
-        None,
-        aten.expand.default,
-        0,
-        "creates the token dim",
-    ),
+    # one row broadcast over the token dim (a sink logit over the queries): the source whole
+    ("expand broadcasts one row", lambda x, y: x.expand_as(y), [(1, D), (T, D)], None, aten.expand.default, 0,
+     {0: None}),
+    ("expand creates the token dim", lambda x, y: x.expand_as(y), [(D,), (T, D)], None, aten.expand.default, 0,
+     "creates the token dim"),
+    ("gather off the token dim", lambda x, i: x.gather(1, i), [(T, D), (T, H)], [torch.float32, ids],
+     aten.gather.default, 0, {0: 0, 2: 0}),
+    ("gather along the token dim", lambda x, i: x.gather(0, i), [(T, D), (T, D)], [torch.float32, ids],
+     aten.gather.default, 0, "gather along the token dim"),
+    ("scatter off the token dim", lambda x, i, v: x.scatter(1, i, v), [(T, D), (T, H), (T, H)],
+     [torch.float32, ids, torch.float32], aten.scatter.src, 0, {0: 0, 2: 0, 3: 0}),
+    ("scatter of a value", lambda x, i: x.scatter(1, i, 1.0), [(T, D), (T, H)], [torch.float32, ids],
+     aten.scatter.value, 0, {0: 0, 2: 0}),
+    ("scatter along the token dim", lambda x, i: x.scatter(0, i, 1.0), [(T, D), (T, D)], [torch.float32, ids],
+     aten.scatter.value, 0, "scatter along the token dim"),
+    ("max over the last dim", lambda x: x.max(-1, keepdim=True)[0], [(T, D)], None, aten.max.dim, 0, {0: 0}),
+    ("max over the token dim", lambda x: x.max(0, keepdim=True)[0], [(T, D)], None, aten.max.dim, 0,
+     "a reduction over the token dim"),
+    ("baddbmm query rows", lambda b, x, y: torch.baddbmm(b, x, y), [(H, 1, T), (H, T, D), (H, D, T)], None,
+     aten.baddbmm.default, 1, {0: None, 1: 1, 2: None}),
     ("repeat off rows", lambda x: x.repeat(1, 2), [(T, D)], None, aten.repeat.default, 0, {0: 0}),
     ("repeat rows", lambda x: x.repeat(2, 1), [(T, D)], None, aten.repeat.default, 0, "repeat along the token dim"),
     ("permute", lambda x: x.permute(1, 0, 2), [(T, H, D)], None, aten.permute.default, 1, {0: 0}),
@@ -194,6 +206,24 @@ def test_rule(name, fn, shapes, dtypes, target, axis, expected):
     else:
         assert isinstance(result, RuleResult), result
         assert positions(None, result) == expected
+
+
+def test_expand_of_one_row_is_resized_to_the_reduced_rows():
+    gm = trace(lambda x, y: x.expand_as(y), (1, D), (T, D))
+    node = first(gm, aten.expand.default)
+    assert lookup_rule(node)(node, Layout(0), rows_of(gm, 1)).arg_rewrites == {("args", 1, 0): REDUCED_SIZE}
+
+
+def test_repeat_along_the_token_dim_read_as_copies():
+    """``x.repeat(E, 1)`` gives every expert all rows; read as ``[E, T, D]`` the rows asked for are
+    in E groups, which are the source's plain rows. Read as one dim of E*T rows, it stops."""
+    E = 2
+    gm = trace(lambda x: x.repeat(E, 1), (T, D))
+    node = first(gm, aten.repeat.default)
+    rows = rows_of(gm)
+    [req] = lookup_rule(node)(node, Layout(0, outer=sympy.Integer(E)), rows).requirements
+    assert req.layout == Layout(0)
+    assert "copies are not read apart" in lookup_rule(node)(node, Layout(0), rows)
 
 
 def test_view_sizes_on_the_token_dim_are_rewritten_in_the_reduced_rows():

@@ -83,6 +83,24 @@ ARCHITECTURES: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
     "gemma4_no_hand_slicing": ("KV sharing, the pass alone", _gemma4(hand_slicing=False)),
     "gemma4_moe": ("KV sharing, MoE block", _gemma4(hand_slicing=False, enable_moe_block=True, num_experts=4,
                                                     top_k_experts=2, moe_intermediate_size=32)),
+    "deepseek_v3": ("MLA, MoE with grouped routing (gather, scatter)",
+                    _build("DeepseekV3ForCausalLM", "DeepseekV3Config", vocab_size=VOCAB, hidden_size=32,
+                           intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                           first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16,
+                           qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)),
+    "llama4": ("MoE, every expert fed all rows (repeat)",
+               _build("Llama4ForCausalLM", "Llama4TextConfig", **DENSE, head_dim=8, num_local_experts=4,
+                      num_experts_per_tok=1, intermediate_size_mlp=64, interleave_moe_layer_step=1,
+                      no_rope_layers=[1, 1, 0])),
+    "bloom": ("ALiBi (baddbmm), eager attention",
+              _build("BloomForCausalLM", "BloomConfig", vocab_size=VOCAB, hidden_size=32, n_layer=3, n_head=4)),
+    "gpt_oss": ("attention sinks, MoE", _build("GptOssForCausalLM", "GptOssConfig", **DENSE, head_dim=8,
+                                               num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                                               layer_types=["sliding_attention", "full_attention",
+                                                            "sliding_attention"])),
+    "falcon": ("multi-query: one K/V head", _build("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB,
+                                                   hidden_size=32, num_hidden_layers=3, num_attention_heads=4)),
 }
 
 
@@ -97,6 +115,10 @@ class Form:
     lengths: tuple[int, ...]
     keep: int
     warmup_keep: int | None = None  # a call with another k first: Dynamo then makes k a SymInt
+    keep_index: tuple[int, ...] | None = None  # logits_to_keep as a 1-D index tensor of these rows instead of k
+
+    def logits_to_keep(self) -> int | torch.Tensor:
+        return torch.tensor(self.keep_index) if self.keep_index else self.keep
 
 
 FORMS = {
@@ -104,6 +126,8 @@ FORMS = {
     "module_k3_padded": Form("module, k=3, left-padded batch", False, None, (7, 12), 3),
     "dynamic": Form("forward, dynamic=True, k=1, left-padded", True, True, (9, 6, 12), 1),
     "dynamic_int_k": Form("forward, dynamic=True, int k=3, left-padded", True, True, (9, 12), 3, warmup_keep=2),
+    "index_tensor": Form("module, k as index tensor [2, 5, -1], left-padded", False, None, (8, 11), 0,
+                         keep_index=(2, 5, -1)),
 }
 
 
@@ -132,8 +156,9 @@ def run_form(name: str, form: Form, compiler: str = "eager") -> Record:
     with torch.no_grad():
         if form.warmup_keep is not None:
             compiled(input_ids=ids, attention_mask=mask, logits_to_keep=form.warmup_keep, use_cache=False)
-        out = compiled(input_ids=ids, attention_mask=mask, logits_to_keep=form.keep, use_cache=False).logits
-        ref = model(input_ids=ids, attention_mask=mask, logits_to_keep=form.keep, use_cache=False).logits
+        keep = form.logits_to_keep()
+        out = compiled(input_ids=ids, attention_mask=mask, logits_to_keep=keep, use_cache=False).logits
+        ref = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep, use_cache=False).logits
     seconds = time.perf_counter() - start
     error = ((out - ref).abs().max() / ref.abs().max()).item()
     report = backend.reports[-1]

@@ -7,10 +7,14 @@ transfer rule (passes/hoist_rules.py). Where a node cannot join, the hoist stops
 users need its rows, it becomes a boundary tensor, gathered once per layout.
 
 The row selection is one of:
-- a gather by a graph input, ``hidden[logits_indices]`` (flat convention): any rows, chosen per step;
+- a gather by a graph input, ``hidden[logits_indices]`` (flat convention): any rows, chosen per
+  step (``plan.per_step``: the graph's attention ops read the step's metadata, and the reduced
+  region runs behind the step gate); or ``hidden[:, index]`` in a transformers graph
+  (``logits_to_keep`` given as a 1-D tensor): the same rows of every sequence, no gate;
 - a slice of the last ``k`` rows of every sequence, ``hidden[:, -k:]`` (transformers'
-  ``logits_to_keep``): ``plan.suffix = k``. Only then may an ``sdpa`` node join the region, since
-  its query-subset form aligns the causal mask bottom-right, which is right for a suffix only.
+  ``logits_to_keep``): ``plan.suffix = k``.
+An ``sdpa`` node with ``is_causal`` joins the region for a suffix only: its query-subset form aligns
+the causal mask bottom-right. With an explicit mask (gathered on its query dim) any rows are exact.
 
 Invariants:
 - Sound by construction: a region node's every user is in the region, so nothing outside the
@@ -32,7 +36,7 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
-from fx_fastprefill.ops.schema import SDPA_OP
+from fx_fastprefill.ops.schema import ATTENTION_OP, SDPA_IS_CAUSAL, SDPA_OP
 
 from .attention_nodes import find_attention_nodes
 from .fx_utils import downstream, is_open_end, slice_args
@@ -59,6 +63,7 @@ class HoistPlan:
     index: Node | None            # the logits_indices graph input (None for a suffix selection)
     seeds: list[tuple[Node, Layout]]  # the model's own gathers and the layout they select on
     suffix: int | Node | None = None  # k of a suffix selection: a constant, or the graph's SymInt k
+    per_step: bool = False  # an index chosen per step (flat convention): the reduced region is gated
     region: dict[Node, Layout] = field(default_factory=dict)
     rules: dict[Node, RuleResult] = field(default_factory=dict)
     # (tensor, layout) -> the (user, argument path) pairs that read its gathered rows
@@ -99,6 +104,10 @@ def _single_symbol(expr: sympy.Expr) -> sympy.Symbol | None:
     return expr if isinstance(expr, sympy.Symbol) else None
 
 
+def _row_count(expr: sympy.Expr, symbolic_only: bool) -> sympy.Expr | None:
+    return expr if isinstance(expr, sympy.Symbol) or (expr.is_Integer and not symbolic_only) else None
+
+
 NO_SELECTION = (
     "no row selection to hoist: neither a gather by a graph input (hidden[logits_indices]) nor a slice of the "
     "last rows (hidden[:, -k:], transformers' logits_to_keep) in this graph. Either logits for all rows were asked "
@@ -135,8 +144,10 @@ def _clamped_suffix(gm: GraphModule) -> str | None:
     return None
 
 
-def find_seeds(gm: GraphModule) -> tuple[list[tuple[Node, Layout]], Node, sympy.Symbol, sympy.Symbol]:
-    """The model's row gathers by a graph input, all by the same index; raises NoCut otherwise."""
+def find_seeds(gm: GraphModule, per_step: bool) -> tuple[list[tuple[Node, Layout]], Node, sympy.Expr, sympy.Expr]:
+    """The model's row gathers by a graph input, all by the same index; raises NoCut otherwise.
+    Row counts are symbols, or (``per_step`` False: no step gate to find them by) integers of a
+    graph traced with static shapes."""
     candidates = []
     for node in gm.graph.nodes:
         found = _row_gather(node)
@@ -146,8 +157,8 @@ def find_seeds(gm: GraphModule) -> tuple[list[tuple[Node, Layout]], Node, sympy.
         if index.op != "placeholder":
             continue
         shape = shape_exprs(src.meta.get("val"))
-        rows = _single_symbol(shape[axis]) if shape else None
-        reduced = _single_symbol(shape_exprs(index.meta["val"])[0])
+        rows = _row_count(shape[axis], per_step) if shape else None
+        reduced = _row_count(shape_exprs(index.meta["val"])[0], per_step)
         if rows is None or reduced is None:
             continue
         candidates.append((node, index, axis, rows, reduced))
@@ -241,9 +252,10 @@ def _leave_region(plan: HoistPlan, node: Node, requests: dict[Layout, list], rea
 
 
 def analyze(gm: GraphModule) -> HoistPlan:
+    per_step = any(n.op == "call_function" and n.target is ATTENTION_OP for n in gm.graph.nodes)
     try:
-        seeds, index, rows, reduced = find_seeds(gm)
-        plan = HoistPlan(rows, reduced, index, seeds)
+        seeds, index, rows, reduced = find_seeds(gm, per_step)
+        plan = HoistPlan(rows, reduced, index, seeds, per_step=per_step)
     except NoCut:
         found = find_suffix_seed(gm)
         if found is None:
@@ -260,7 +272,7 @@ def analyze(gm: GraphModule) -> HoistPlan:
     outputs = _output_nodes(gm)
     for seed, layout in plan.seeds:
         requested[seed.args[0]][layout].append((seed, ("args", 0)))
-    if plan.suffix is None:
+    if plan.per_step:  # the gate's full-rows path selects the logits rows of the outputs
         _check_outputs(gm, seed_nodes, reduced, outputs)
 
     for node in reversed(list(gm.graph.nodes)):
@@ -279,10 +291,9 @@ def analyze(gm: GraphModule) -> HoistPlan:
             reason, blocker = f"also needed for all rows by {outside[0].name} ({outside[0].target})", outside[0]
         elif len(layouts) > 1:
             reason = "needed with rows on two different dims"
-        elif node.target is SDPA_OP and plan.suffix is None:
-            reason = (
-                "sdpa attention whose queries are chosen by an index: its causal mask stays aligned only for a suffix"
-            )
+        elif node.target is SDPA_OP and plan.suffix is None and node.args[SDPA_IS_CAUSAL]:
+            reason = ("causal sdpa attention (is_causal, no mask) whose queries are chosen by an index: its causal "
+                      "mask stays aligned only for a suffix")
         else:
             fn = lookup_rule(node)
             layout = next(iter(layouts))

@@ -176,7 +176,7 @@ class FastPrefillBackend:
             region = getattr(split, name)
             static_idxs = [i for i, a in enumerate(calls[name].args) if isinstance(a, Node) and a.name in static_names]
             run = self._compile_region(region, static_idxs, cudagraphs, record_fallback)
-            if name == REDUCED and plan.suffix is None:
+            if name == REDUCED and plan.per_step:
                 run = StepGate(run, region, plan.index.name, plan.rows, plan.reduced_rows, record_fallback)
             swap_submodule(split, name, run)
         return CompiledProgram(split, copy_outputs=cudagraphs)

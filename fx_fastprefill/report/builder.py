@@ -145,13 +145,15 @@ def build_report(ctx, input_names: dict, cudagraphs: bool, fallbacks) -> FastPre
     if ctx.declined:
         return report
     reduced_attention = set(plan.reduced_attention)
-    report.row_selection = (
-        "rows by logits_indices"
-        if plan.suffix is None
-        else f"the last {plan.suffix} row{'s' if plan.suffix > 1 else ''} of each sequence (logits_to_keep)"
-        if isinstance(plan.suffix, int)
-        else "the last k rows of each sequence (logits_to_keep, k given at run time)"
-    )
+    if plan.suffix is None:
+        index = report.placeholder_names.get(plan.index, plan.index.name)
+        report.row_selection = "rows by logits_indices" if plan.per_step else \
+            f"the same rows of each sequence, given by the index tensor {index} (logits_to_keep)"
+    elif isinstance(plan.suffix, int):
+        report.row_selection = f"the last {plan.suffix} row{'s' if plan.suffix > 1 else ''} of each sequence " \
+            "(logits_to_keep)"
+    else:
+        report.row_selection = "the last k rows of each sequence (logits_to_keep, k given at run time)"
     report.reduced_layers = [a.layer for a in find_attention_nodes(ctx.gm.graph) if a.node in reduced_attention]
     report.gathered = [gathered(node, report) for node in ctx.gm.graph.nodes if "ffp_source" in node.meta]
     report.narrowed = [narrowed_tensor(split, report) for split in ctx.narrowed]

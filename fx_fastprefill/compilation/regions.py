@@ -15,8 +15,9 @@ Per step, the gate (the reference's per-step helper, made explicit):
   logits row, the rows passed as ``arange(T)``) runs the region on all rows, uncounted: the
   reference document's rule turns fast prefill off for such steps, and they are decode steps.
 
-A suffix selection (transformers' ``logits_to_keep``: the last k rows of every sequence) needs no
-per-step metadata and has no gate: every call gathers and runs the reduced region.
+A transformers graph's selection (``logits_to_keep``: the last k rows of every sequence, or the rows
+of an index tensor) needs no per-step metadata and has no gate: every call gathers and runs the
+reduced region (``HoistPlan.per_step`` is False).
 """
 
 from __future__ import annotations

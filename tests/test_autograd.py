@@ -130,3 +130,30 @@ def test_flat_attention_refuses_autograd_eager_and_compiled():
     with pytest.raises(RuntimeError) as error:
         fx_fastprefill.attention(q, q.detach(), q.detach(), layer="a")
     assert str(error.value) == NO_BACKWARD
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gradients_on_the_gpu_with_inductor():
+    """The standard compile path on CUDA (Inductor's forward and backward kernels), then the cut
+    graph under no_grad, against eager on the same device."""
+    pytest.importorskip("transformers")
+    from examples.hf_zoo import ARCHITECTURES
+    torch.manual_seed(0)
+    model = ARCHITECTURES["gemma4_no_hand_slicing"][1]().cuda()
+    ids, target = torch.randint(3, 200, (2, 16), device="cuda"), torch.randint(3, 200, (2, 2), device="cuda")
+    _loss(model(input_ids=ids, logits_to_keep=2, use_cache=False).logits, target).backward()
+    expected = _grads(model)
+    backend = fx_fastprefill.backend()
+    compiled = torch.compile(model, backend=backend)
+    _loss(compiled(input_ids=ids, logits_to_keep=2, use_cache=False).logits, target).backward()
+    got = _grads(model)
+    assert got.keys() == expected.keys()
+    for param, grad in expected.items():
+        torch.testing.assert_close(got[param], grad, rtol=2e-3, atol=2e-4, msg=param)  # tf32 / fused kernels
+    assert backend.reports[-1].reason == AUTOGRAD_REASON
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids, logits_to_keep=2, use_cache=False).logits,
+                                   model(input_ids=ids, logits_to_keep=2, use_cache=False).logits,
+                                   rtol=2e-3, atol=2e-3)
+    assert backend.reports[-1].cut

@@ -106,6 +106,7 @@ class FastPrefillBackend:
         self.reports = ReportLog(max_reports)
         self.fallbacks = FallbackCounter()
         self._input_names: list[str] = []
+        self._autograd_warned = False
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
         self._input_names = [input_name(n.name) for n in placeholders(gm)]
@@ -126,7 +127,10 @@ class FastPrefillBackend:
         ctx = PassContext(gm, self.options, unchanged=gm, declined=AUTOGRAD_REASON)
         names = dict(zip(placeholders(gm), self._input_names))
         self.reports.append(build_report(ctx, names, False, graph_fallbacks))
-        log.info("graph left unchanged: %s", AUTOGRAD_REASON)
+        # Inference left with grad on loses the cut: said once per backend at WARNING, then at INFO.
+        log.log(logging.INFO if self._autograd_warned else logging.WARNING, "graph left unchanged: %s",
+                AUTOGRAD_REASON)
+        self._autograd_warned = True
         if self.compiler == "eager":
             return gm
         from torch._inductor.compile_fx import compile_fx

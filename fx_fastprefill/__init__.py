@@ -8,23 +8,22 @@ from pathlib import Path
 
 
 def _import_checkout_passes() -> None:
-    """The passes live in the source tree's top-level ``passes/``; installed, they are
-    ``fx_fastprefill/passes`` (pyproject's package-dir). From a checkout on ``PYTHONPATH`` (no
-    install) the top-level folder is imported under that name; neither there is an error."""
-    here = Path(__file__).parent
-    if (here / "passes").is_dir() or "fx_fastprefill.passes" in sys.modules:
+    """The passes live in the source tree's top-level ``passes/``, installed as
+    ``fx_fastprefill.passes`` (pyproject's package-dir): a wheel puts them there, an editable install
+    maps the name with setuptools' finder, and the standard import machinery finds both. Only a
+    checkout on ``PYTHONPATH`` with nothing installed has no mapping: the top-level folder is then
+    loaded under that name and bound on this package, as an import would."""
+    name = "fx_fastprefill.passes"
+    if name in sys.modules or importlib.util.find_spec(name) is not None:
         return
-    init = here.parent / "passes" / "__init__.py"
+    init = Path(__file__).parent.parent / "passes" / "__init__.py"
     if not init.is_file():
-        raise ImportError(
-            f"fx_fastprefill.passes not found: neither {here / 'passes'} (installed) nor {init} (checkout)"
-        )
-    spec = importlib.util.spec_from_file_location(
-        "fx_fastprefill.passes", init, submodule_search_locations=[str(init.parent)]
-    )
+        raise ImportError(f"{name} not found: not installed, and no checkout folder {init.parent}")
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
     module = importlib.util.module_from_spec(spec)
-    sys.modules["fx_fastprefill.passes"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
+    globals()["passes"] = module
 
 
 _import_checkout_passes()

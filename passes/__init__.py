@@ -6,3 +6,8 @@ narrow_sliced_producers (then analyze again) -> cut_graph -> split_regions. The 
 regions uses split_pieces (CUDA graphs). hoist_rules, token_layout, attention_nodes, flops and
 fx_utils are their shared parts.
 """
+
+if __name__ != "fx_fastprefill.passes":
+    # From a checkout's root, ``import passes`` would load a second copy with its own rule registry.
+    raise ImportError(f"the passes are the package fx_fastprefill.passes: import that (or `import fx_fastprefill`), "
+                      f"not {__name__!r}")

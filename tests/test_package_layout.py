@@ -1,0 +1,68 @@
+"""How the package is laid out and imported: ``passes/`` (a top-level folder of the source tree)
+is the package ``fx_fastprefill.passes`` from a wheel, from an editable install and from a bare
+checkout, bound on its parent, and never a second copy under another name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, cwd: Path, env_path: str | None = None) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", **({"PYTHONPATH": env_path} if env_path else {})}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+BOUND = ("import sys, fx_fastprefill.passes.fx_utils as u, fx_fastprefill; "
+         "p = fx_fastprefill.passes; assert p is sys.modules['fx_fastprefill.passes'] and u is p.fx_utils; "
+         "print(p.__file__)")
+
+
+def test_installed_passes_are_bound_on_their_parent(tmp_path):
+    """This environment's install (editable in CI): setuptools' mapping, the standard machinery."""
+    done = _python(BOUND, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Path(done.stdout.split()[-1]) == ROOT / "passes" / "__init__.py"
+
+
+def test_a_bare_checkout_loads_and_binds_the_passes(tmp_path):
+    """Nothing installed (the install's finder taken off the meta path), the checkout on the path."""
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__]; "
+            f"sys.path.insert(0, {str(ROOT)!r}); " + BOUND)
+    done = _python(code, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Path(done.stdout.split()[-1]) == ROOT / "passes" / "__init__.py"
+
+
+def test_importing_passes_by_its_folder_name_is_refused():
+    done = _python("import passes.hoist_rules", cwd=ROOT, env_path=str(ROOT))
+    assert done.returncode != 0
+    assert "import that (or `import fx_fastprefill`), not 'passes'" in done.stderr
+
+
+def test_a_built_wheel_installs_the_passes_as_fx_fastprefill_passes(tmp_path):
+    """Build a wheel of the checkout, install it into a folder of its own and import from there
+    (no checkout on the path): the install mapping itself, which an editable install never uses."""
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, timeout=600)
+    if built.returncode != 0 and "No module named" in built.stderr:
+        pytest.skip(f"cannot build a wheel here: {built.stderr.strip()[-300:]}")
+    assert built.returncode == 0, built.stderr[-2000:]
+    [wheel] = (tmp_path / "dist").glob("fx_fastprefill-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "fx_fastprefill/passes/hoist_rules.py" in names and not any(n.startswith("passes/") for n in names)
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:  # what pip install --target does, minus the metadata
+        archive.extractall(site)
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__]; "
+            f"sys.path.insert(0, {str(site)!r}); " + BOUND)
+    done = _python(code, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Path(done.stdout.split()[-1]) == site / "fx_fastprefill" / "passes" / "__init__.py"

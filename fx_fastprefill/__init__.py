@@ -14,10 +14,18 @@ def _import_checkout_passes() -> None:
     checkout on ``PYTHONPATH`` with nothing installed has no mapping: the top-level folder is then
     loaded under that name and bound on this package, as an import would."""
     name = "fx_fastprefill.passes"
-    if name in sys.modules or importlib.util.find_spec(name) is not None:
+    here = Path(__file__).resolve().parent
+    init = here.parent / "passes" / "__init__.py"
+    if name in sys.modules:
         return
-    init = Path(__file__).parent.parent / "passes" / "__init__.py"
+    spec = importlib.util.find_spec(name)
+    # An install's passes serve this package only if they are this tree's (a wheel's, or the
+    # editable mapping to this checkout), not another checkout's install found on the path.
+    if spec is not None and spec.origin and Path(spec.origin).resolve() in (here / "passes" / "__init__.py", init):
+        return
     if not init.is_file():
+        if spec is not None:
+            return
         raise ImportError(f"{name} not found: not installed, and no checkout folder {init.parent}")
     spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
     module = importlib.util.module_from_spec(spec)

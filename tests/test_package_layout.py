@@ -4,6 +4,7 @@ checkout, bound on its parent, and never a second copy under another name."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -50,8 +51,14 @@ def test_importing_passes_by_its_folder_name_is_refused():
 def test_a_built_wheel_installs_the_passes_as_fx_fastprefill_passes(tmp_path):
     """Build a wheel of the checkout, install it into a folder of its own and import from there
     (no checkout on the path): the install mapping itself, which an editable install never uses."""
+    source = tmp_path / "source"  # a copy: setuptools builds in the tree and leaves build/ there
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("fx_fastprefill", "passes"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, timeout=600)
+                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=600)
     if built.returncode != 0 and "No module named" in built.stderr:
         pytest.skip(f"cannot build a wheel here: {built.stderr.strip()[-300:]}")
     assert built.returncode == 0, built.stderr[-2000:]

@@ -36,7 +36,7 @@ def _import_checkout_passes() -> None:
 
 _import_checkout_passes()
 
-from .compilation.logs import configure_logging as _configure_logging  # noqa: E402
+from .logs import configure_logging as _configure_logging  # noqa: E402
 from .ops import schema as _schema  # noqa: E402,F401  (defines the package's ops)
 
 _configure_logging()
@@ -48,10 +48,10 @@ _EXPORTS = {
     "backend": "fx_fastprefill.compilation.backend",
     "Runner": "fx_fastprefill.runtime.runner",
     "SeqChunk": "fx_fastprefill.runtime.batch",
-    "KVCache": "fx_fastprefill.runtime.kv_cache",
-    "StepMetadata": "fx_fastprefill.runtime.step_context",
-    "step_context": "fx_fastprefill.runtime.step_context",
-    "current_step": "fx_fastprefill.runtime.step_context",
+    "KVCache": "fx_fastprefill.ops.kv_cache",
+    "StepMetadata": "fx_fastprefill.ops.step_context",
+    "step_context": "fx_fastprefill.ops.step_context",
+    "current_step": "fx_fastprefill.ops.step_context",
     "FastPrefillReport": "fx_fastprefill.report.report",
     "compile_for_generate": "fx_fastprefill.integrations.generate",
     "restore": "fx_fastprefill.integrations.generate",

@@ -10,7 +10,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m fx_fastprefill explain MODULE:FACTORY [--prompt-len N] [--format text|json] "
               "[--svg PATH | --png PATH] [--graph]", file=sys.stderr)
         return 2
-    from .report.explain import main as explain
+    from .explain import main as explain
     return explain(argv[1:])
 
 

@@ -1,8 +1,6 @@
-"""Transfer rules for hoisting a row gather upstream through one aten op.
-
-A rule answers: to compute ``node[rows]`` (rows selected on ``layout``), which rows of which inputs
-are needed? Each tensor input is either row-aligned (gathered on a layout of its own) or needed
-whole (weights, broadcast operands, attention K/V). An op without a rule stops the hoist.
+"""Transfer rules for hoisting a row gather upstream through one aten op: elementwise ops,
+products, views and shape ops, slices, concatenation, reductions, softmax, multi-output ops.
+Types and registry: ``rule_registry.py``; importing this module registers every rule.
 
 Invariants:
 - A rule never claims row-alignment it cannot show from shapes: sizes are compared as sympy
@@ -11,149 +9,42 @@ Invariants:
 - Only the token dim shrinks. A size or slice bound off the token dim keeps its value in the
   reduced region, even where it is the token count (the keys of a score matrix ``[R, T]``, a mask
   sliced to ``T`` keys): those dims are not gathered.
-- Collectives (``torch.distributed``'s functional ops, what tensor parallelism traces to) are
-  row-wise when they combine or copy ranks' tensors element by element (all-reduce, broadcast,
-  wait) or concatenate them on a dim that is not the token dim (all-gather, reduce-scatter on dim
-  0): every rank gathers the same rows (the row selection is computed from replicated inputs, and
-  ranks check they planned the same cut, compilation/spmd.py), so the collective of the gathered
-  rows is the gathered rows of the collective. Over the token dim (sequence parallelism) they stop.
-- Rules only describe; the rewrite (passes/cut_graph.py) applies ``arg_rewrites`` (sizes in the
-  reduced row count, sizes of the full graph given as sympy expressions, the sdpa op's
-  ``query_suffix`` flag) and ``set_query_rows`` to nodes that join the reduced region.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import sympy
 import torch
 from torch.fx import Node
 
-from fx_fastprefill.ops.schema import (ATTENTION_OP, K, KV_WRITTEN, Q, QUERY_ROWS, SDPA_IS_CAUSAL, SDPA_K, SDPA_MASK,
-                                       SDPA_OP, SDPA_Q, SDPA_QUERY_SUFFIX, SDPA_V, V)
-
+from . import attention_rules, collective_rules, index_rules  # noqa: F401  (they register their rules)
 from .fx_utils import reaches_end
-from .sorted_dispatch import sorted_dispatch
-from .token_layout import Layout, depends_on, is_factor, map_view_layout, shape_exprs
+from .rule_registry import (POINTWISE, REDUCED_SIZE, RULES, Requirement, RuleResult, broadcast_requirement,
+                            is_tensor, lookup_rule, norm_dim, rule, shape_of, symint_uses_rows, tensor_args)
+from .token_layout import Layout, depends_on, is_factor, map_view_layout
+
+__all__ = ["REDUCED_SIZE", "RULES", "Requirement", "RuleResult", "lookup_rule"]
 
 aten = torch.ops.aten
-prims = torch.ops.prims
-c10d = torch.ops._c10d_functional
-
-Path = tuple  # ("args", i) or ("args", i, j) or ("kwargs", name)
-REDUCED_SIZE = "reduced_size"  # marker: this size argument is re-expressed in the reduced row count
 
 
-@dataclass
-class Requirement:
-    path: Path
-    node: Node
-    layout: Layout | None  # None: needed whole
-    user: Node | None = None  # whose argument ``path`` is, when not the rule's node (a block rule's)
-
-
-@dataclass
-class RuleResult:
-    requirements: list[Requirement] = field(default_factory=list)
-    arg_rewrites: dict[Path, Any] = field(default_factory=dict)
-    set_query_rows: bool = False
-    # A block rule's other nodes (passes/sorted_dispatch.py): they join the region with this node.
-    absorbed: dict[Node, "RuleResult"] = field(default_factory=dict)
-
-
-RuleFn = Callable[[Node, Layout, sympy.Symbol], "RuleResult | str"]
-RULES: dict[Any, RuleFn] = {}
-
-
-def rule(*targets):
-    def register(fn: RuleFn) -> RuleFn:
-        for target in targets:
-            RULES[target] = fn
-        return fn
-    return register
-
-
-def _shape(node: Node) -> list[sympy.Expr]:
-    return shape_exprs(node.meta.get("val")) or []
-
-
-def _norm_dim(dim: int, rank: int) -> int:
-    return dim + rank if dim < 0 else dim
-
-
-def tensor_args(node: Node):
-    """(path, node) of every tensor-valued FX node among the arguments."""
-    for i, arg in enumerate(node.args):
-        if isinstance(arg, Node):
-            yield ("args", i), arg
-        elif isinstance(arg, (list, tuple)):
-            for j, item in enumerate(arg):
-                if isinstance(item, Node):
-                    yield ("args", i, j), item
-    for name, arg in node.kwargs.items():
-        if isinstance(arg, Node):
-            yield ("kwargs", name), arg
-
-
-def _is_tensor(node: Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
-
-
-def _symint_uses_rows(node: Node, rows: sympy.Symbol) -> str | None:
-    for path, arg in tensor_args(node):
-        if not _is_tensor(arg) and depends_on(arg, rows):
-            return f"argument {path[1:]} is a size computed from the token count"
-    return None
-
-
-def _broadcast_requirement(path, arg: Node, out_shape, layout: Layout) -> Requirement | str:
-    """Elementwise operand: aligned from the right, row-aligned or broadcast (needed whole)."""
-    shape = _shape(arg)
-    axis = layout.axis - (len(out_shape) - len(shape))
-    if axis < 0 or (shape[axis] == 1 and out_shape[layout.axis] != 1):
-        return Requirement(path, arg, None)
-    if sympy.simplify(shape[axis] - out_shape[layout.axis]) != 0:
-        return f"operand {path[1:]} has {shape[axis]} rows on the token dim, output has {out_shape[layout.axis]}"
-    return Requirement(path, arg, layout.moved(axis))
-
-
+@rule(POINTWISE)
 def _elementwise(node: Node, layout: Layout, rows) -> RuleResult | str:
-    reason = _symint_uses_rows(node, rows)
+    reason = symint_uses_rows(node, rows)
     if reason:
         return reason
-    out_shape = _shape(node)
+    out_shape = shape_of(node)
     result = RuleResult()
     for path, arg in tensor_args(node):
-        if not _is_tensor(arg):
+        if not is_tensor(arg):
             continue
-        req = _broadcast_requirement(path, arg, out_shape, layout)
+        req = broadcast_requirement(path, arg, out_shape, layout)
         if isinstance(req, str):
             return req
         result.requirements.append(req)
     return result
-
-
-# Ops that are elementwise but carry no pointwise tag.
-EXTRA_ELEMENTWISE = {
-    prims.convert_element_type.default, aten.clone.default, aten._to_copy.default, aten.alias.default,
-    aten.detach.default, aten.lift_fresh_copy.default, aten.copy.default, aten.where.self,
-    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.zeros_like.default, aten.ones_like.default,
-    aten.full_like.default, aten.empty_like.default, aten.fill.Scalar, aten.clamp.default,
-}
-
-
-def lookup_rule(node: Node) -> RuleFn | None:
-    target = node.target
-    if target in RULES:
-        return RULES[target]
-    if isinstance(target, torch._ops.OpOverload) and (
-        torch.Tag.pointwise in target.tags or target in EXTRA_ELEMENTWISE
-    ):
-        return _elementwise
-    return None
 
 
 @rule(aten.mm.default)
@@ -169,7 +60,7 @@ def _addmm(node, layout, rows):
     if node.kwargs:
         return "addmm with beta/alpha"
     bias, x, w = node.args
-    req = _broadcast_requirement(("args", 0), bias, _shape(node), layout)
+    req = broadcast_requirement(("args", 0), bias, shape_of(node), layout)
     if isinstance(req, str):
         return req
     if layout.axis == 0:
@@ -187,7 +78,7 @@ def _baddbmm(node, layout, rows):
     """``beta * bias + alpha * x @ y`` (BLOOM's ALiBi scores): the product's rule, the bias
     broadcast against the output like an elementwise operand."""
     bias = node.args[0]
-    req = _broadcast_requirement(("args", 0), bias, _shape(node), layout)
+    req = broadcast_requirement(("args", 0), bias, shape_of(node), layout)
     if isinstance(req, str):
         return req
     result = _bmm_operands(node.args[1], node.args[2], layout, first=1)
@@ -239,7 +130,7 @@ def _explicit_rows(size, rows) -> bool:
 @rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(node, layout, rows):
     src = node.args[0]
-    in_layout = map_view_layout(_shape(node), layout, _shape(src), rows)
+    in_layout = map_view_layout(shape_of(node), layout, shape_of(src), rows)
     if in_layout is None:
         return "a view that splits or merges the token dim with a dim before it"
     rewrites = _rewrite_size_list(node, 1, layout, rows)
@@ -254,7 +145,7 @@ def _expand(node, layout, rows):
     per-head sink logit expanded over the queries) the source is needed whole and the expanded
     size becomes the reduced row count."""
     src = node.args[0]
-    out_shape, shape = _shape(node), _shape(src)
+    out_shape, shape = shape_of(node), shape_of(src)
     axis = layout.axis - (len(out_shape) - len(shape))
     if axis >= 0 and shape[axis] == 1 and out_shape[layout.axis] != 1 and layout.plain:
         rewrites = _rewrite_size_list(node, 1, layout, rows)
@@ -276,7 +167,7 @@ def _repeat(node, layout, rows):
     source's ``i mod S``, so rows asked for in ``outer`` groups are the source's rows in ``outer / n``
     groups, when ``n`` divides ``outer`` (the reader views the copies apart, ``[E*T, H] -> [E, T, H]``)."""
     src, repeats = node.args
-    axis = layout.axis - (len(repeats) - len(_shape(src)))
+    axis = layout.axis - (len(repeats) - len(shape_of(src)))
     if any(depends_on(r, rows) for r in repeats):
         return "repeat counts depend on the token count"
     copies = repeats[layout.axis]
@@ -293,15 +184,15 @@ def _repeat(node, layout, rows):
 @rule(aten.permute.default)
 def _permute(node, layout, rows):
     src, dims = node.args
-    dims = [_norm_dim(d, len(dims)) for d in dims]
+    dims = [norm_dim(d, len(dims)) for d in dims]
     return RuleResult([Requirement(("args", 0), src, layout.moved(dims[layout.axis]))])
 
 
 @rule(aten.transpose.int)
 def _transpose(node, layout, rows):
     src, d0, d1 = node.args
-    rank = len(_shape(node))
-    d0, d1 = _norm_dim(d0, rank), _norm_dim(d1, rank)
+    rank = len(shape_of(node))
+    d0, d1 = norm_dim(d0, rank), norm_dim(d1, rank)
     axis = {d0: d1, d1: d0}.get(layout.axis, layout.axis)
     return RuleResult([Requirement(("args", 0), src, layout.moved(axis))])
 
@@ -309,7 +200,7 @@ def _transpose(node, layout, rows):
 @rule(aten.unsqueeze.default)
 def _unsqueeze(node, layout, rows):
     src, dim = node.args
-    dim = _norm_dim(dim, len(_shape(node)))
+    dim = norm_dim(dim, len(shape_of(node)))
     if dim == layout.axis:
         return "unsqueeze at the token dim"
     return RuleResult([Requirement(("args", 0), src, layout.moved(layout.axis - (dim < layout.axis)))])
@@ -318,9 +209,9 @@ def _unsqueeze(node, layout, rows):
 @rule(aten.squeeze.dim, aten.squeeze.dims)
 def _squeeze(node, layout, rows):
     src = node.args[0]
-    in_shape = _shape(src)
+    in_shape = shape_of(src)
     dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-    removed = sorted({_norm_dim(d, len(in_shape)) for d in dims if in_shape[_norm_dim(d, len(in_shape))] == 1})
+    removed = sorted({norm_dim(d, len(in_shape)) for d in dims if in_shape[norm_dim(d, len(in_shape))] == 1})
     kept = [i for i in range(len(in_shape)) if i not in removed]
     return RuleResult([Requirement(("args", 0), src, layout.moved(kept[layout.axis]))])
 
@@ -328,7 +219,7 @@ def _squeeze(node, layout, rows):
 @rule(aten.select.int)
 def _select(node, layout, rows):
     src, dim, _ = node.args
-    dim = _norm_dim(dim, len(_shape(src)))
+    dim = norm_dim(dim, len(shape_of(src)))
     axis = layout.axis + (dim <= layout.axis)
     return RuleResult([Requirement(("args", 0), src, layout.moved(axis))])
 
@@ -336,8 +227,8 @@ def _select(node, layout, rows):
 @rule(aten.slice.Tensor)
 def _slice(node, layout, rows):
     src = node.args[0]
-    shape = _shape(src)
-    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
+    shape = shape_of(src)
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
     start = node.args[2] if len(node.args) > 2 else None
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
@@ -350,8 +241,8 @@ def _slice(node, layout, rows):
 def _slice_scatter(node, layout, rows):
     """``x[.., a:b, ..] = src`` off the token dim: both keep the token dim where it is."""
     src, values = node.args[0], node.args[1]
-    shape = _shape(src)
-    dim = _norm_dim(node.args[2] if len(node.args) > 2 else 0, len(shape))
+    shape = shape_of(src)
+    dim = norm_dim(node.args[2] if len(node.args) > 2 else 0, len(shape))
     if dim == layout.axis:
         return "a slice_scatter along the token dim"
     return RuleResult([Requirement(("args", 0), src, layout), Requirement(("args", 1), values, layout)])
@@ -360,7 +251,7 @@ def _slice_scatter(node, layout, rows):
 @rule(aten.select_scatter.default)
 def _select_scatter(node, layout, rows):
     src, values, dim = node.args[0], node.args[1], node.args[2]
-    dim = _norm_dim(dim, len(_shape(src)))
+    dim = norm_dim(dim, len(shape_of(src)))
     if dim == layout.axis:
         return "a select_scatter along the token dim"
     return RuleResult([Requirement(("args", 0), src, layout),
@@ -370,13 +261,13 @@ def _select_scatter(node, layout, rows):
 @rule(aten.cat.default)
 def _cat(node, layout, rows):
     tensors = node.args[0]
-    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(_shape(node)))
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape_of(node)))
     if dim == layout.axis:
         return "cat along the token dim"
-    out_shape = _shape(node)
+    out_shape = shape_of(node)
     result = RuleResult()
     for j, t in enumerate(tensors):
-        shape = _shape(t)
+        shape = shape_of(t)
         if len(shape) != len(out_shape):  # legacy empty tensor in cat
             return "cat of tensors of different ranks"
         result.requirements.append(Requirement(("args", 0, j), t, layout))
@@ -385,13 +276,13 @@ def _cat(node, layout, rows):
 
 def _reduction(node, layout, rows, dims, keepdim):
     src = node.args[0]
-    rank = len(_shape(src))
-    dims = list(range(rank)) if dims is None or dims == [] else [_norm_dim(d, rank) for d in dims]
+    rank = len(shape_of(src))
+    dims = list(range(rank)) if dims is None or dims == [] else [norm_dim(d, rank) for d in dims]
     kept = list(range(rank)) if keepdim else [i for i in range(rank) if i not in dims]
     axis = kept[layout.axis]
     if axis in dims:
         return "a reduction over the token dim"
-    reason = _symint_uses_rows(node, rows)
+    reason = symint_uses_rows(node, rows)
     if reason:
         return reason
     return RuleResult([Requirement(("args", 0), src, layout.moved(axis))])
@@ -422,93 +313,8 @@ def _var(node, layout, rows):
 @rule(aten._softmax.default, aten._log_softmax.default)
 def _softmax(node, layout, rows):
     src, dim = node.args[0], node.args[1]
-    if _norm_dim(dim, len(_shape(src))) == layout.axis:
+    if norm_dim(dim, len(shape_of(src))) == layout.axis:
         return "softmax over the token dim"
-    return RuleResult([Requirement(("args", 0), src, layout)])
-
-
-@rule(aten.embedding.default)
-def _embedding(node, layout, rows):
-    weight, indices = node.args[0], node.args[1]
-    if layout.axis >= len(_shape(indices)):
-        return "embedding with rows on the feature dim"
-    return RuleResult([Requirement(("args", 0), weight, None), Requirement(("args", 1), indices, layout)])
-
-
-@rule(aten.index_select.default)
-def _index_select(node, layout, rows):
-    src, dim, index = node.args
-    if _norm_dim(dim, len(_shape(src))) == layout.axis:
-        return "index_select along the token dim"
-    return RuleResult([Requirement(("args", 0), src, layout), Requirement(("args", 2), index, None)])
-
-
-@rule(aten.index.Tensor)
-def _index(node, layout, rows):
-    """``src[..., idx, ...]`` by one index tensor at dim ``d``: the output's dims ``d .. d + idx.dim()``
-    are the index's. Rows there are the index's rows (a table looked up per row: an embedding, MoE
-    expert weights by each row's expert ids); the looked-up tensor is needed whole. Rows elsewhere
-    are the source's rows, the index whole. An index that undoes a sort is a block of its own
-    (passes/sorted_dispatch.py)."""
-    block = sorted_dispatch(node, layout, rows, lookup_rule)
-    if block is not None:
-        return block
-    src, indices = node.args
-    picked = [(d, ix) for d, ix in enumerate(indices) if ix is not None]
-    if len(picked) != 1 or not isinstance(picked[0][1], Node):
-        return "advanced indexing by more than one index tensor"
-    d, index = picked[0]
-    width = len(_shape(index))
-    if d <= layout.axis < d + width:
-        return RuleResult([Requirement(("args", 0), src, None),
-                           Requirement(("args", 1, d), index, layout.moved(layout.axis - d))])
-    axis = layout.axis if layout.axis < d else layout.axis - width + 1
-    return RuleResult([Requirement(("args", 0), src, layout.moved(axis)), Requirement(("args", 1, d), index, None)])
-
-
-@rule(aten.gather.default)
-def _gather(node, layout, rows):
-    """``out[..i..][j] = src[..i..][index[..i..][j]]`` along another dim than the token dim (a router
-    picking its experts' scores per row): the output's rows are the source's and the index's."""
-    src, dim, index = node.args[:3]
-    rank = len(_shape(src))
-    if _norm_dim(dim, rank) == layout.axis:
-        return "gather along the token dim"
-    if sympy.simplify(_shape(src)[layout.axis] - _shape(node)[layout.axis]) != 0:
-        return "gather of fewer rows than its source"
-    return RuleResult([Requirement(("args", 0), src, layout), Requirement(("args", 2), index, layout)])
-
-
-@rule(aten.scatter.value, aten.scatter.src, aten.scatter_add.default, aten.scatter_reduce.two)
-def _scatter(node, layout, rows):
-    """``out = self; out[..i..][index[..i..][j]] = src[..i..][j]`` along another dim than the token
-    dim (a router's mask of chosen experts or groups): row-aligned, every operand on the same rows."""
-    dim = node.args[1]
-    if _norm_dim(dim, len(_shape(node))) == layout.axis:
-        return "scatter along the token dim"
-    result = RuleResult()
-    for i in (0, 2, 3):
-        arg = node.args[i] if len(node.args) > i else None
-        if not isinstance(arg, Node):
-            continue
-        if sympy.simplify(_shape(arg)[layout.axis] - _shape(node)[layout.axis]) != 0:
-            return f"scatter whose operand {i} has other rows than its output"
-        result.requirements.append(Requirement(("args", i), arg, layout))
-    return result
-
-
-@rule(aten.topk.default, aten.sort.default, aten.sort.stable)
-def _along_one_dim(node, layout, rows):
-    """top-k or sort within each row (a router's top-k experts): row-wise unless along the token dim."""
-    src = node.args[0]
-    if node.target is aten.topk.default:
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
-    elif node.target is aten.sort.stable:
-        dim = node.kwargs.get("dim", -1)
-    else:
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
-    if _norm_dim(dim, len(_shape(src))) == layout.axis:
-        return f"{node.target} along the token dim"
     return RuleResult([Requirement(("args", 0), src, layout)])
 
 
@@ -517,7 +323,7 @@ def _multi_output(node, layout, rows):
     src = node.args[0]
     if node.target is not aten.native_layer_norm.default:
         dim = node.args[2] if len(node.args) > 2 else 0
-        if _norm_dim(dim, len(_shape(src))) == layout.axis:
+        if norm_dim(dim, len(shape_of(src))) == layout.axis:
             return "split along the token dim"
         return RuleResult([Requirement(("args", 0), src, layout)])
     result = RuleResult([Requirement(("args", 0), src, layout)])
@@ -529,62 +335,4 @@ def _multi_output(node, layout, rows):
 
 @rule(operator.getitem)
 def _getitem(node, layout, rows):
-    return RuleResult([Requirement(("args", 0), node.args[0], layout)])
-
-
-@rule(ATTENTION_OP)
-def _attention(node, layout, rows):
-    if layout.axis != 0 or not layout.plain:
-        return "attention output rows merged with another dim"
-    if node.args[QUERY_ROWS] is not None:
-        return "attention already runs on a subset of its queries"
-    if node.args[KV_WRITTEN] is None:
-        return "attention that writes its own cache (run passes/link_kv_sources.py first)"
-    result = RuleResult([Requirement(("args", Q), node.args[Q], layout)], set_query_rows=True)
-    for i in (K, V, KV_WRITTEN):
-        result.requirements.append(Requirement(("args", i), node.args[i], None))
-    return result
-
-
-@rule(SDPA_OP)
-def _sdpa(node, layout, rows):
-    """Queries are row-aligned on their dim -2; K/V are needed whole; a mask is gathered on its
-    query dim unless it broadcasts there. The rewritten call runs on a suffix of the queries."""
-    out_shape = _shape(node)
-    if layout.axis != len(out_shape) - 2 or not layout.plain:
-        return "attention output rows not on its query dim"
-    if node.args[SDPA_QUERY_SUFFIX]:
-        return "attention already runs on a subset of its queries"
-    q, k, v, mask = (node.args[i] for i in (SDPA_Q, SDPA_K, SDPA_V, SDPA_MASK))
-    rewrites = {("args", SDPA_QUERY_SUFFIX): True}
-    if node.args[SDPA_IS_CAUSAL] and sympy.simplify(_shape(q)[-2] - _shape(k)[-2]) != 0:
-        # Top-left causal over more keys than queries (a static cache's slots): the suffix call is
-        # told the full call's query count, and aligns its queries as their last rows.
-        # (A keyword: the aten trace drops the trailing default, and Inductor matches positions.)
-        rewrites[("kwargs", "causal_queries")] = _shape(q)[-2]
-    result = RuleResult([Requirement(("args", SDPA_Q), q, layout), Requirement(("args", SDPA_K), k, None),
-                         Requirement(("args", SDPA_V), v, None)], rewrites)
-    if isinstance(mask, Node):
-        mask_shape = _shape(mask)
-        if len(mask_shape) < 2 or mask_shape[-2] == 1:
-            result.requirements.append(Requirement(("args", SDPA_MASK), mask, None))
-        elif sympy.simplify(mask_shape[-2] - out_shape[layout.axis]) == 0:
-            result.requirements.append(Requirement(("args", SDPA_MASK), mask, Layout(len(mask_shape) - 2)))
-        else:
-            return f"attention mask of shape {mask_shape} does not match the queries"
-    return result
-
-
-@rule(c10d.all_reduce.default, c10d.broadcast.default, c10d.wait_tensor.default)
-def _rowwise_collective(node, layout, rows):
-    """Element by element across ranks: the output's rows are the input's rows."""
-    return RuleResult([Requirement(("args", 0), node.args[0], layout)])
-
-
-@rule(c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
-def _dim0_collective(node, layout, rows):
-    """Ranks' tensors concatenated (or reduced and scattered) on dim 0: row-wise when the token rows
-    are on another dim. On dim 0 it is sequence parallelism: the ranks hold different tokens."""
-    if layout.axis == 0:
-        return f"{node.target.name()} over the token dim (sequence parallelism: ranks hold different rows)"
     return RuleResult([Requirement(("args", 0), node.args[0], layout)])

@@ -34,6 +34,7 @@ import sympy
 import torch
 from torch.fx import Node
 
+from .rule_registry import REDUCED_SIZE, Requirement, RuleResult
 from .token_layout import Layout, is_factor, size_expr
 
 aten = torch.ops.aten
@@ -107,7 +108,6 @@ def _offsets_of_sorted_ids(offsets: Node, sort: Node) -> list[Node] | None:
 def sorted_dispatch(y: Node, layout: Layout, rows, lookup_rule):
     """The block rule for ``y = x[inv]`` (see the module docstring): a RuleResult whose ``absorbed``
     nodes join the region with ``y``, a stop reason, or None when ``y`` is not such a block."""
-    from .hoist_rules import Requirement, RuleResult  # hoist_rules registers this rule
 
     found = inverse_permutation(y)
     if found is None:
@@ -187,7 +187,6 @@ def _gathered_layout(index: Node, perm: Node, layout: Layout) -> Layout | None:
 def _pair_count_rewrite(node: Node, path: tuple, rows) -> dict | None:
     """The pair count at ``path`` of ``node``, re-expressed in the reduced rows by the cut; it must
     be the row count times a factor free of it (an int, or sizes such as the batch)."""
-    from .hoist_rules import REDUCED_SIZE
     if path == ():
         return {}
     size = node.args[path[1]] if len(path) == 2 else node.args[path[1]][path[2]]

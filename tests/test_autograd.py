@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import fx_fastprefill
 from fx_fastprefill.compilation.backend import AUTOGRAD_REASON
-from fx_fastprefill.compilation.fallbacks import AUTOGRAD
+from fx_fastprefill.fallbacks import AUTOGRAD
 from fx_fastprefill.ops import sdpa as _sdpa_kernels  # noqa: F401  (the op's kernel and its autograd)
 from fx_fastprefill.ops.attention import NO_BACKWARD
 

@@ -23,7 +23,7 @@ def test_torch_compile_by_name_through_runner():
     assert fast.report.eligible_layers == ["cross.1"]
     assert fast.report.reduced_layers == ["cross.0", "cross.1"]
     assert 0.0 < fast.report.flops_removed_fraction < 1.0
-    from fx_fastprefill.compilation.pipeline import PIPELINE
+    from fx_fastprefill.passes.pipeline import PIPELINE
     assert list(fast.report.pass_seconds) == [p.__name__ for p in PIPELINE]
     assert fast.report.to_dict()["pass_seconds"] == fast.report.pass_seconds
 

@@ -11,7 +11,7 @@ import torch
 
 import fx_fastprefill
 from fx_fastprefill import SeqChunk
-from fx_fastprefill.compilation import fallbacks
+from fx_fastprefill import fallbacks
 from fx_fastprefill.compilation.backend import FastPrefillBackend
 from fx_fastprefill.compilation.cudagraphs import StagingBuffers
 from fx_fastprefill.ops.schema import is_package_op

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import fx_fastprefill
-import fx_fastprefill.report.explain as explain
+import fx_fastprefill.explain as explain
 from examples import gemma3n
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ def test_fallbacks_logged_once_then_counted(caplog):
 
 
 def test_env_var_switches_logging_on(monkeypatch):
-    from fx_fastprefill.compilation import logs
+    from fx_fastprefill import logs
     monkeypatch.setenv(logs.ENV_VAR, "verbose")
     with pytest.raises(ValueError, match="FX_FASTPREFILL_LOG must be one of"):
         logs.configure_logging()

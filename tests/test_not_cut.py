@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 import fx_fastprefill
-from fx_fastprefill.compilation import fallbacks, pipeline
+from fx_fastprefill import fallbacks
+from fx_fastprefill.passes import pipeline
 from examples.blocks import Attention
 
 

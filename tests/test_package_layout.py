@@ -73,3 +73,79 @@ def test_a_built_wheel_installs_the_passes_as_fx_fastprefill_passes(tmp_path):
     done = _python(code, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert Path(done.stdout.split()[-1]) == site / "fx_fastprefill" / "passes" / "__init__.py"
+
+
+# The layers, bottom up: a module imports only modules of its own layer or below (docs/design.md,
+# "Layout"). Keys are package-relative module paths; the longest matching prefix decides.
+LAYERS = {
+    "fallbacks": 0, "logs": 0,
+    "ops": 1,
+    "passes": 2,
+    "report": 3,
+    "compilation": 4,
+    "runtime": 5,
+    "integrations": 6, "explain": 6, "__main__": 6,
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in ((ROOT / "fx_fastprefill", "fx_fastprefill"), (ROOT / "passes", "fx_fastprefill.passes")):
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every package module ``name`` imports, at the top or inside a function."""
+    import ast
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in modules and t != name}
+    return found
+
+
+def _layer(name: str) -> int | None:
+    rest = name.split(".")[1:]
+    return LAYERS.get(rest[0]) if rest else None  # the package's __init__ stands outside the layers
+
+
+def test_layers_import_only_downward_and_without_circles():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    unplaced = [name for name in modules if name != "fx_fastprefill" and _layer(name) is None]
+    assert not unplaced, f"modules in no layer: {unplaced}"
+    upward = [f"{a} -> {b}" for a, targets in graph.items() for b in targets
+              if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a)]
+    assert not upward, "imports against the layers:\n" + "\n".join(sorted(upward))
+    # No circle among the package's modules (the package's own __init__ aside: importing any
+    # submodule runs it first, and it imports only the bottom layers eagerly).
+    inner = {a: {b for b in targets if b != "fx_fastprefill"} for a, targets in graph.items() if a != "fx_fastprefill"}
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(inner[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join(trail[trail.index(nxt):] + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, trail + [node])
+        state[node] = 2
+
+    for name in sorted(inner):
+        if name not in state:
+            visit(name, [])

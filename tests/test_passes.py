@@ -11,7 +11,7 @@ import sympy
 import torch
 
 from fx_fastprefill.ops import attention, sdpa  # noqa: F401  (the ops' kernels and fake kernels)
-from fx_fastprefill.compilation.pipeline import (PIPELINE, Decline, PassContext, PipelineOptions, copy_for_cut,
+from fx_fastprefill.passes.pipeline import (PIPELINE, Decline, PassContext, PipelineOptions, copy_for_cut,
                                                  run_pipeline)
 from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_WRITTEN, QUERY_ROWS, V, WRITE_KV_OP
 from fx_fastprefill.passes.cut_graph import BOUNDARY_GATHER, cut_graph

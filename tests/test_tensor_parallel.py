@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fx_fastprefill
-from fx_fastprefill.compilation.fallbacks import RANKS_DISAGREE
+from fx_fastprefill.fallbacks import RANKS_DISAGREE
 from fx_fastprefill.compilation.spmd import DISAGREE
 from tests.distributed import run_ranks
 

@@ -10,12 +10,12 @@ import torch
 
 import fx_fastprefill
 from fx_fastprefill import SeqChunk
-from fx_fastprefill.compilation import fallbacks
+from fx_fastprefill import fallbacks
 from fx_fastprefill.compilation.backend import FastPrefillBackend
 from fx_fastprefill.ops.kernels.decode import gathered_decode_attention
 from fx_fastprefill.ops.kernels.reference import reference_attention
-from fx_fastprefill.runtime.kv_cache import KVCache
-from fx_fastprefill.runtime.step_context import DecodeRows, StepMetadata
+from fx_fastprefill.ops.kv_cache import KVCache
+from fx_fastprefill.ops.step_context import DecodeRows, StepMetadata
 from tests.helpers import random_prompts
 from tests.test_cudagraphs import RerunRecorder, model
 

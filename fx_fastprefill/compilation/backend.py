@@ -25,12 +25,12 @@ from ..ops import sdpa as _sdpa_kernels  # noqa: F401
 from ..ops.attention import NO_BACKWARD
 from ..report.builder import build_report
 from ..report.report import ReportLog
-from . import fallbacks as fallback_reasons
+from .. import fallbacks as fallback_reasons
 from . import spmd
 from .compile_graph import COMPILERS, as_submodule, compile_boxed, inductor, returns_tuple, swap_submodule
 from .cudagraphs import PiecewiseRegion, Recorder, non_owning_supported
-from .fallbacks import FallbackCounter
-from .pipeline import PIPELINE, Pass, PassContext, PipelineOptions, run_pipeline
+from ..fallbacks import FallbackCounter
+from fx_fastprefill.passes.pipeline import PIPELINE, Pass, PassContext, PipelineOptions, run_pipeline
 from .regions import CompiledProgram, StepGate
 
 log = logging.getLogger("fx_fastprefill")

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from ..runtime.dynamic_shapes import exact_size_reasoning
+from .dynamic_shapes import exact_size_reasoning
 
 BoxedFn = Callable[[list], list]
 COMPILERS = ("inductor", "eager")

@@ -38,8 +38,8 @@ from torch.fx import GraphModule, Node
 from fx_fastprefill.passes.fx_utils import placeholders, size_sources
 from fx_fastprefill.passes.split_pieces import GRAPH, split_pieces
 
-from ..runtime.step_context import current_step
-from . import fallbacks as reasons
+from ..ops.step_context import current_step
+from .. import fallbacks as reasons
 from .compile_graph import BoxedFn, compile_boxed, returns_tuple, swap_submodule
 
 log = logging.getLogger("fx_fastprefill")

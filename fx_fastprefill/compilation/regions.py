@@ -30,8 +30,8 @@ from torch.fx import GraphModule, Node
 
 from fx_fastprefill.passes.fx_utils import output_args, placeholders, size_sources
 
-from ..runtime.step_context import current_step
-from . import fallbacks as reasons
+from ..ops.step_context import current_step
+from .. import fallbacks as reasons
 
 
 class StepGate:

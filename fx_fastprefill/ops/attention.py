@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from ..runtime.step_context import current_step
+from .step_context import current_step
 from .kernels.decode import decode_attention
 from .kernels.reference import prepare_kv, reference_attention, write_kv_rows
 from .kernels.split_kv import HAS_TRITON, split_kv_attention

@@ -14,6 +14,7 @@ from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_SOURCE, LAYER, V, WRIT
 from fx_fastprefill.passes.attention_nodes import find_attention_nodes
 from fx_fastprefill.passes.fx_utils import innermost_module, size_names
 from fx_fastprefill.passes.fx_utils import op_name as target_name
+from fx_fastprefill.passes.pipeline import HOIST_STOPPED
 
 from .printer import format_shape
 from .report import AttentionLayerInfo, FastPrefillReport, GatheredTensor, HoistStop, NarrowedTensor
@@ -107,7 +108,6 @@ def narrowed_tensor(split, report: FastPrefillReport) -> NarrowedTensor:
 
 def build_report(ctx, input_names: dict, cudagraphs: bool, fallbacks) -> FastPrefillReport:
     """The report of one compiled graph, from the pipeline's context (``ctx``: a PassContext)."""
-    from fx_fastprefill.compilation.pipeline import HOIST_STOPPED
     graph = ctx.gm if not ctx.declined else (ctx.unchanged or ctx.gm)
     names = dict(input_names)
     names.update({ctx.copies[node]: name for node, name in input_names.items() if node in ctx.copies})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..compilation.fallbacks import FallbackCounter
+from ..fallbacks import FallbackCounter
 
 
 @dataclass

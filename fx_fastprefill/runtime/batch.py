@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from .step_context import to_device
+from ..ops.step_context import to_device
 
 
 @dataclass

@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from .batch import SeqChunk, default_logits_indices, pad_to_bucket, padded_indices, validate_logits_indices
-from .dynamic_shapes import compile_for_varying_sizes, varying_sizes
+from ..compilation.dynamic_shapes import compile_for_varying_sizes, varying_sizes
 from .dynamo_guards import cheap_guards
-from ..compilation.fallbacks import FallbackCounter
+from ..fallbacks import FallbackCounter
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
-from .kv_cache import KVCache
-from .step_context import StepMetadata, step_context, to_device
+from ..ops.kv_cache import KVCache
+from ..ops.step_context import StepMetadata, step_context, to_device
 from .whole_step_graphs import MAX_ROWS_PER_REQUEST, WholeStepGraphs
 
 log = logging.getLogger("fx_fastprefill")

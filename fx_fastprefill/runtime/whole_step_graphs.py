@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..compilation import fallbacks as reasons
-from .kv_cache import KVCache
-from .step_context import DecodeRows, StepMetadata
+from .. import fallbacks as reasons
+from ..ops.kv_cache import KVCache
+from ..ops.step_context import DecodeRows, StepMetadata
 
 log = logging.getLogger("fx_fastprefill")
 

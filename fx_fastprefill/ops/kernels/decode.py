@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ...runtime.step_context import DecodeRows
+from ..step_context import DecodeRows
 from .split_kv import decode_split_len
 
 

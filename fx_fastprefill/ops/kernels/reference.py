@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...runtime.step_context import StepMetadata, to_device
+from ..step_context import StepMetadata, to_device
 
 
 def _query_selection(step: StepMetadata, query_rows: Tensor | None, num_q: int, device) -> tuple[Tensor, Tensor]:

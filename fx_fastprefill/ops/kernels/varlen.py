@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ...runtime.step_context import StepMetadata, to_device
+from ..step_context import StepMetadata, to_device
 
 # Requests with at most this many queries go to the split-KV kernel (split_kv.py), short
 # key ranges too: alone, FlashAttention's query-subset form was faster at 512 keys (probe run 2),

@@ -26,14 +26,14 @@ from typing import Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from fx_fastprefill.passes.attention_nodes import AttentionNode
-from fx_fastprefill.passes.cut_graph import CutError, cut_graph
-from fx_fastprefill.passes.eligible_layers import eligible_layers
-from fx_fastprefill.passes.flops import estimate_flops
-from fx_fastprefill.passes.gather_hoisting import HoistPlan, NoCut, analyze
-from fx_fastprefill.passes.link_kv_sources import link_kv_sources
-from fx_fastprefill.passes.narrow_sliced_producers import Narrowed, narrow_sliced_producers
-from fx_fastprefill.passes.split_regions import split_regions
+from .attention_nodes import AttentionNode
+from .cut_graph import CutError, cut_graph
+from .eligible_layers import eligible_layers
+from .flops import estimate_flops
+from .gather_hoisting import HoistPlan, NoCut, analyze
+from .link_kv_sources import link_kv_sources
+from .narrow_sliced_producers import Narrowed, narrow_sliced_producers
+from .split_regions import split_regions
 
 log = logging.getLogger("fx_fastprefill")
 

@@ -20,7 +20,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .report import FastPrefillReport
+from .compilation.backend import backend as make_backend
+from .report.picture import PictureUnavailable, draw_cut
+from .report.printer import print_cut_graph
+from .report.report import FastPrefillReport
+from .runtime.runner import Runner, vocab_size_of
 
 
 def load_factory(spec: str) -> Callable[[], nn.Module]:
@@ -70,9 +74,6 @@ def compile_and_report(
     The cut does not depend on how the regions are compiled afterwards, so by default they run
     eagerly (``compiler="eager"``): explaining a model takes seconds, not an Inductor build.
     """
-    from ..compilation.backend import backend as make_backend
-    from ..runtime.runner import Runner, vocab_size_of
-
     backend = make_backend(draft_layers=draft_layers, prompt_len=prompt_len, compiler=compiler)
     vocab = vocab_size_of(model)
     if vocab is None:
@@ -128,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.format == "json":
         out: Any = [r.to_dict() for r in reports]
         if args.graph:
-            from .printer import print_cut_graph
             for d, r in zip(out, reports):
                 d["graph"] = print_cut_graph(r)
         print(json.dumps(out if len(out) > 1 else out[0], indent=2))
@@ -138,11 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"=== graph {k} of {len(reports)} ===")
             print(report.explain())
             if args.graph:
-                from .printer import print_cut_graph
                 print("\n" + print_cut_graph(report))
     target = args.svg or args.png
     if target:
-        from .picture import PictureUnavailable, draw_cut
         main_report = max(reports, key=lambda r: len(r.attention_layers))
         try:
             written = draw_cut(main_report, target, title=args.factory)

@@ -3,7 +3,7 @@
 Invariants:
 - One gather per (boundary tensor, layout), placed just before its first reader: an
   ``aten.index`` by the ``logits_indices`` graph input, or for a suffix selection a slice of the
-  last ``k`` rows; each one (and the sizes it needs) is tagged ``meta["ffp_role"] = "boundary_gather"``.
+  last ``k`` rows; each one (and the sizes it needs) is tagged ``meta[ROLE] = BOUNDARY_GATHER`` (meta_keys.py).
 - Region nodes keep their identity and ops; only their inputs, token-dim sizes (-1, inferred) and,
   for attention, ``query_rows`` (the query-subset form) change.
 - The model's own gathers disappear: their users read the reduced value directly.
@@ -23,14 +23,12 @@ from fx_fastprefill.ops.schema import QUERY_ROWS
 
 from .fx_utils import placeholders, size_sources
 from .gather_hoisting import HoistPlan
-from .hoist_rules import REDUCED_SIZE
+from .meta_keys import BOUNDARY_GATHER, FULL_SIZE_NODE, LAYOUT, REDUCED_SIZE_NODE, ROLE, SOURCE
+from .rule_registry import REDUCED_SIZE
 from .token_layout import Layout, is_factor, shape_exprs, size_expr
 
 aten = torch.ops.aten
 
-BOUNDARY_GATHER = "boundary_gather"
-REDUCED_SIZE_NODE = "reduced_size"  # sizes computed from logits_indices belong to the reduced region
-FULL_SIZE_NODE = "full_size"  # a size of the full graph an op of the reduced region reads (a query count)
 
 
 class CutError(Exception):
@@ -94,11 +92,11 @@ class _SizeNodes:
                         out = graph.call_function(fn, (out, term))
                     value = [t.meta["val"] if isinstance(t, Node) else t for t in out.args]
                     out.meta["val"] = fn(*value)
-                    out.meta["ffp_role"] = role
+                    out.meta[ROLE] = role
                 return out
             else:
                 raise CutError(f"size {expr} cannot be computed in the graph")
-        out.meta["ffp_role"] = role
+        out.meta[ROLE] = role
         return out
 
 
@@ -119,13 +117,13 @@ class _ReducedSizes:
             with graph.inserting_after(self.plan.index):
                 rows = self.nodes.get(1) or graph.call_function(torch.ops.aten.sym_size.int, (self.plan.index, 0))
                 rows.meta["val"] = self.plan.index.meta["val"].shape[0]
-                rows.meta["ffp_role"] = REDUCED_SIZE_NODE
+                rows.meta[ROLE] = REDUCED_SIZE_NODE
                 self.nodes[1] = rows
             if factor != 1:
                 with graph.inserting_after(rows):
                     scaled = graph.call_function(operator.mul, (rows, int(factor)))
                 scaled.meta["val"] = rows.meta["val"] * int(factor)
-                scaled.meta["ffp_role"] = REDUCED_SIZE_NODE
+                scaled.meta[ROLE] = REDUCED_SIZE_NODE
                 self.nodes[factor] = scaled
         return self.nodes[factor]
 
@@ -160,7 +158,7 @@ def _insert_gather(gm: GraphModule, plan: HoistPlan, source: Node, layout: Layou
         merged = pre + [-1] + post
         with graph.inserting_before(before):
             blocks = graph.call_function(aten.reshape.default, (source, split))
-        blocks.meta["ffp_role"] = BOUNDARY_GATHER
+        blocks.meta[ROLE] = BOUNDARY_GATHER
         source_view, axis = blocks, axis + (layout.outer != 1)
     else:
         source_view = source
@@ -174,20 +172,20 @@ def _insert_gather(gm: GraphModule, plan: HoistPlan, source: Node, layout: Layou
             if start is None:  # a symbolic k: -k computed here (the model's own comes after the boundary)
                 start = graph.call_function(operator.neg, (plan.suffix,))
                 start.meta["val"] = -plan.suffix.meta["val"]
-                start.meta["ffp_role"] = BOUNDARY_GATHER
+                start.meta[ROLE] = BOUNDARY_GATHER
             picked = graph.call_function(aten.slice.Tensor, (source_view, axis, start, 2**63 - 1))
             if axis > 0:
                 # The last k rows of each of B sequences are not contiguous; the region's views
                 # (``[B, k, H] -> [B * k, H]``) were traced on contiguous tensors.
-                picked.meta["ffp_role"] = BOUNDARY_GATHER
+                picked.meta[ROLE] = BOUNDARY_GATHER
                 picked = graph.call_function(aten.clone.default, (picked,), {"memory_format": torch.contiguous_format})
         gathered = picked
         if not layout.plain:
-            picked.meta["ffp_role"] = BOUNDARY_GATHER
+            picked.meta[ROLE] = BOUNDARY_GATHER
             gathered = graph.call_function(aten.reshape.default, (picked, merged))
-    gathered.meta["ffp_role"] = BOUNDARY_GATHER
-    gathered.meta["ffp_source"] = source
-    gathered.meta["ffp_layout"] = layout
+    gathered.meta[ROLE] = BOUNDARY_GATHER
+    gathered.meta[SOURCE] = source
+    gathered.meta[LAYOUT] = layout
     return gathered
 
 
@@ -217,7 +215,7 @@ def cut_graph(gm: GraphModule, plan: HoistPlan) -> list[Node]:
     for seed, layout in plan.seeds:
         source = seed.args[0]
         replacement = source if source in plan.region else next(
-            g for g in gathers if g.meta["ffp_source"] is source and g.meta["ffp_layout"] == layout
+            g for g in gathers if g.meta[SOURCE] is source and g.meta[LAYOUT] == layout
         )
         seed.replace_all_uses_with(replacement)
         gm.graph.erase_node(seed)

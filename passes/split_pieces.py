@@ -26,7 +26,7 @@ from torch.fx.passes.split_module import split_module
 
 from fx_fastprefill.ops.schema import is_package_op
 
-from .cut_graph import BOUNDARY_GATHER
+from .meta_keys import BOUNDARY_GATHER, ROLE
 from .split_regions import rename_submodules
 
 EAGER, VIEWS, GRAPH = "eager", "views", "graph"
@@ -41,7 +41,7 @@ class PieceInfo:
 
 def runs_eagerly(node: Node) -> bool:
     """A node kept out of CUDA graphs: a package op, or a boundary gather (and the sizes it needs)."""
-    return is_package_op(node) or node.meta.get("ffp_role") == BOUNDARY_GATHER
+    return is_package_op(node) or node.meta.get(ROLE) == BOUNDARY_GATHER
 
 
 def _is_view(node: Node) -> bool:

@@ -21,7 +21,7 @@ from torch.fx.passes.split_module import split_module
 
 from fx_fastprefill.ops.schema import is_package_op
 
-from .cut_graph import BOUNDARY_GATHER, REDUCED_SIZE_NODE
+from .meta_keys import BOUNDARY_GATHER, REDUCED_SIZE_NODE, ROLE
 from .fx_utils import downstream
 
 FULL, BOUNDARY, REDUCED = "full", "boundary", "reduced"
@@ -30,15 +30,15 @@ _PARTITION = {FULL: 0, BOUNDARY: 1, REDUCED: 1}
 
 def assign_regions(gm: GraphModule) -> dict[Node, str]:
     """The region of every call node: full, boundary (the gathers) or reduced."""
-    gathers = [n for n in gm.graph.nodes if n.meta.get("ffp_role") == BOUNDARY_GATHER]
-    reduced = downstream(gathers + [n for n in gm.graph.nodes if n.meta.get("ffp_role") == REDUCED_SIZE_NODE])
+    gathers = [n for n in gm.graph.nodes if n.meta.get(ROLE) == BOUNDARY_GATHER]
+    reduced = downstream(gathers + [n for n in gm.graph.nodes if n.meta.get(ROLE) == REDUCED_SIZE_NODE])
     regions = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.meta.get("ffp_role") == BOUNDARY_GATHER:
+        if node.meta.get(ROLE) == BOUNDARY_GATHER:
             regions[node] = BOUNDARY
-        elif node in reduced or node.meta.get("ffp_role") == REDUCED_SIZE_NODE:
+        elif node in reduced or node.meta.get(ROLE) == REDUCED_SIZE_NODE:
             regions[node] = REDUCED
         else:
             regions[node] = FULL

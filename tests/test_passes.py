@@ -14,10 +14,11 @@ from fx_fastprefill.ops import attention, sdpa  # noqa: F401  (the ops' kernels 
 from fx_fastprefill.passes.pipeline import (PIPELINE, Decline, PassContext, PipelineOptions, copy_for_cut,
                                                  run_pipeline)
 from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_WRITTEN, QUERY_ROWS, V, WRITE_KV_OP
-from fx_fastprefill.passes.cut_graph import BOUNDARY_GATHER, cut_graph
+from fx_fastprefill.passes.cut_graph import cut_graph
 from fx_fastprefill.passes.fx_utils import module_path
 from fx_fastprefill.passes.gather_hoisting import analyze
 from fx_fastprefill.passes.link_kv_sources import link_kv_sources
+from fx_fastprefill.passes.meta_keys import BOUNDARY_GATHER, ROLE
 from fx_fastprefill.passes.split_regions import FULL, REDUCED, split_regions
 from tests.helpers import aten_graph
 
@@ -82,7 +83,7 @@ def test_cut_gathers_at_the_boundary_and_reexpresses_sizes_in_the_logits_rows():
     rows, reduced = plan.rows, plan.reduced_rows
     gathers = cut_graph(gm, plan)
     gm.graph.lint()
-    assert gathers and all(g.meta["ffp_role"] == BOUNDARY_GATHER for g in gathers)
+    assert gathers and all(g.meta[ROLE] == BOUNDARY_GATHER for g in gathers)
     assert all(g.target in (aten.index.Tensor, aten.reshape.default) for g in gathers)
     assert not any(n.target is aten.index.Tensor and n.args[1] == [plan.index] and n not in gathers
                    for n in gm.graph.nodes), "the model's own gather must be gone"

@@ -14,6 +14,7 @@ from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_SOURCE, LAYER, V, WRIT
 from fx_fastprefill.passes.attention_nodes import find_attention_nodes
 from fx_fastprefill.passes.fx_utils import innermost_module, size_names
 from fx_fastprefill.passes.fx_utils import op_name as target_name
+from fx_fastprefill.passes.meta_keys import SOURCE
 from fx_fastprefill.passes.pipeline import HOIST_STOPPED
 
 from .printer import format_shape
@@ -87,7 +88,7 @@ def hoist_stop(stop, report: FastPrefillReport, feeds_kv: dict[Node, list[str]])
 
 
 def gathered(node: Node, report: FastPrefillReport) -> GatheredTensor:
-    source = node.meta["ffp_source"]
+    source = node.meta[SOURCE]
     symbols = size_names(report.rows_symbol, report.reduced_rows_symbol)
     shape = f"{format_shape(source.meta['val'], symbols)} -> {format_shape(node.meta['val'], symbols)}"
     return GatheredTensor(describe(source, report), shape, source_line(source))
@@ -155,7 +156,7 @@ def build_report(ctx, input_names: dict, cudagraphs: bool, fallbacks) -> FastPre
     else:
         report.row_selection = "the last k rows of each sequence (logits_to_keep, k given at run time)"
     report.reduced_layers = [a.layer for a in find_attention_nodes(ctx.gm.graph) if a.node in reduced_attention]
-    report.gathered = [gathered(node, report) for node in ctx.gm.graph.nodes if "ffp_source" in node.meta]
+    report.gathered = [gathered(node, report) for node in ctx.gm.graph.nodes if SOURCE in node.meta]
     report.narrowed = [narrowed_tensor(split, report) for split in ctx.narrowed]
     report.flops_cut = ctx.flops_cut
     report.flops_removed_fraction = 1.0 - ctx.flops_cut / ctx.flops_full if ctx.flops_full else 0.0

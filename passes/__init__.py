@@ -1,10 +1,11 @@
 """FX passes of fx_fastprefill, one per file, on the post-AOT (functional, inference) aten graph.
 
-Run in this order by ``fx_fastprefill/compilation/pipeline.py`` (``capture_sdpa`` runs earlier, on
-Dynamo's graph): link_kv_sources -> eligible_layers -> (copy) -> gather_hoisting.analyze ->
-narrow_sliced_producers (then analyze again) -> cut_graph -> split_regions. The compile of the
-regions uses split_pieces (CUDA graphs). hoist_rules, token_layout, attention_nodes, flops and
-fx_utils are their shared parts.
+Run in this order by ``pipeline.py`` (``capture_sdpa`` runs earlier, on Dynamo's graph):
+link_kv_sources -> eligible_layers -> (copy) -> gather_hoisting.analyze -> narrow_sliced_producers
+(then analyze again) -> cut_graph -> split_regions. The compile of the regions uses split_pieces
+(CUDA graphs). Their shared parts: the hoisting rules (rule_registry, hoist_rules, index_rules,
+attention_rules, collective_rules, sorted_dispatch), token_layout, attention_nodes, meta_keys,
+flops and fx_utils.
 """
 
 if __name__ != "fx_fastprefill.passes":

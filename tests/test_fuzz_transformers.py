@@ -195,5 +195,10 @@ def test_random_call_forms_match_without_the_pass(form, data, lengths, keep, see
     assert reports
     if form == "grad":
         assert all(not r.cut and r.reason.startswith("autograd is on") for r in reports)
+    elif form == "inputs_embeds" and family == "gemma4":
+        # Gemma 4 recovers input_ids from the embeddings with nonzero(), a data-dependent shape:
+        # Dynamo breaks the graph, the decoder and the logits slice land in different graphs, and
+        # the decoder graph says so.
+        assert any("a graph break left the row selection in another graph" in r.reason for r in reports)
     else:
         assert reports[-1].cut, reports[-1].reason

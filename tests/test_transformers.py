@@ -110,7 +110,7 @@ def test_dynamic_logits_to_keep_beyond_the_prompt_is_not_cut_and_right(keep):
             want = model(input_ids=ids, attention_mask=mask, logits_to_keep=k, use_cache=False).logits
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     report = backend.reports[-1]
-    assert report.fallbacks.get(fx_fastprefill.compilation.fallbacks.PASS_FAILED) is None
+    assert report.fallbacks.get(fx_fastprefill.fallbacks.PASS_FAILED) is None
     assert "internal error" not in report.reason
     if keep == 30:
         assert not report.cut and "keeps every row in this graph" in report.reason, report.reason

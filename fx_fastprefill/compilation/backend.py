@@ -219,7 +219,7 @@ def backend(*, fast_prefill: bool = True, draft_layers: Iterable[str] = (), **op
     (piecewise CUDA graphs: the code between attention ops captured per size, on CUDA),
     ``narrow_slices`` (default True; False skips passes/narrow_sliced_producers.py, to measure or
     bisect it), ``max_reports`` (reports kept, default 64) and ``passes`` (the pass pipeline,
-    default ``fx_fastprefill.compilation.pipeline.PIPELINE``: a list to insert a pass of your own).
+    default ``fx_fastprefill.passes.pipeline.PIPELINE``: a list to insert a pass of your own).
     """
     known = ("compiler", "prompt_len", "cudagraphs", "narrow_slices", "max_reports", "passes")
     unknown = set(options) - set(known)

@@ -4,7 +4,7 @@ The kernels of the ``attention`` and ``write_kv`` ops (schemas in ``ops/schema.p
 opaque to the compiler on purpose: the FX passes recognise it by handle, read the KV-sharing
 relation from its ``layer`` / ``kv_source`` arguments, and rewrite it to its query-subset form
 (``query_rows``) in the reduced region. Per-step batch layout comes from
-:mod:`fx_fastprefill.runtime.step_context`.
+:mod:`fx_fastprefill.ops.step_context`.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class FastPrefillReport:
     # Each rank's plan fingerprint, in rank order, where the graph has collectives and a process group
     # is live (compilation/spmd.py): equal on every rank, or the graph was left unchanged on all.
     ranks: list[str] = field(default_factory=list)
-    # Seconds each pass of the pipeline took (compilation/pipeline.py), in order.
+    # Seconds each pass of the pipeline took (passes/pipeline.py), in order.
     pass_seconds: dict[str, float] = field(default_factory=dict)
     # The cut aten graph and its region of every node, for printing (not part of the summary).
     graph: Any = field(default=None, repr=False)

@@ -16,7 +16,7 @@ from fx_fastprefill.compilation.backend import FastPrefillBackend
 from fx_fastprefill.compilation.cudagraphs import StagingBuffers
 from fx_fastprefill.ops.schema import is_package_op
 from fx_fastprefill.passes.split_pieces import EAGER, GRAPH, VIEWS, runs_eagerly, split_pieces
-from fx_fastprefill.runtime.runner import default_token_pad_sizes
+from fx_fastprefill.runtime.batch import default_token_pad_sizes
 from examples.gemma3n import Config, Gemma3nLike
 
 STEPS = [

@@ -1,30 +1,32 @@
-"""Runner: owns the KV cache, schedules requests into steps, and runs the model one step at a time.
+"""Runner: owns the KV cache and runs the model one step at a time (the step API: ``step``,
+``capture``, ``free``, ``resize_kv_cache``).
 
-A step packs the new tokens of several requests into one flat batch (decode rows first, then
-prompt chunks), under a token budget, so prefill, chunked prefill and decode mix freely. The model
-sees ``forward(input_ids[T], positions[T], logits_indices[R])``.
+A step packs the new tokens of several requests into one flat batch (runtime/batch.py), so
+prefill, chunked prefill and decode mix freely. The model sees
+``forward(input_ids[T], positions[T], logits_indices[R])``. Whole requests (``prefill``,
+``generate``) are scheduled into steps by runtime/scheduler.py.
 """
 
 from __future__ import annotations
 
-import array
 import logging
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from .batch import SeqChunk, default_logits_indices, pad_to_bucket, padded_indices, validate_logits_indices
+from .batch import (Request, SeqChunk, check_sizes, default_logits_indices, default_token_pad_sizes, pad_to_bucket,
+                    padded_indices, power_of_two_buckets, step_tokens, validate_logits_indices, validate_step_tokens)
 from ..compilation.dynamic_shapes import compile_for_varying_sizes, varying_sizes
 from .dynamo_guards import cheap_guards
 from ..fallbacks import FallbackCounter
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
 from ..ops.kv_cache import KVCache
 from ..ops.step_context import StepMetadata, step_context, to_device
+from .scheduler import Scheduler
 from .whole_step_graphs import MAX_ROWS_PER_REQUEST, WholeStepGraphs
 
 log = logging.getLogger("fx_fastprefill")
@@ -42,49 +44,6 @@ def vocab_size_of(model: nn.Module) -> int | None:
         if isinstance(module, nn.Embedding):
             return module.num_embeddings
     return None
-
-
-def _power_of_two_buckets(limit: int) -> list[int]:
-    # From 2: Dynamo specializes sizes 0 and 1, so R == 0 and R == 1 are padded to 2 and the
-    # one dynamic graph serves them (the real count travels in the step metadata).
-    sizes, n = [], 2
-    while n < limit:
-        sizes.append(n)
-        n *= 2
-    return sizes + [limit]
-
-
-def default_token_pad_sizes(limit: int) -> list[int]:
-    """Step sizes captured for CUDA graphs: powers of two up to 512, then every multiple of 512
-    (a prefill pads by at most 511 rows, under 12% from 4096 rows up), then ``limit``."""
-    sizes = [n for n in _power_of_two_buckets(min(limit, 512)) if n < limit]
-    sizes += list(range(1024, limit, 512))
-    return sizes + [limit]
-
-
-def _check_sizes(name: str, sizes: Sequence[int], limit: int) -> list[int]:
-    if isinstance(sizes, (str, bytes)) or not all(isinstance(n, int) and 2 <= n <= limit for n in sizes):
-        raise ValueError(f"{name} must be ints in [2, max_num_tokens={limit}], got {list(sizes)!r}")
-    return sorted(set(sizes))
-
-
-@dataclass
-class _Request:
-    seq_id: int
-    prompt: list[int]
-    max_new_tokens: int
-    slot_base: int
-    num_computed: int = 0
-    output: list[int] = field(default_factory=list)
-    prompt_logits: torch.Tensor | None = None
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt)
-
-    @property
-    def done(self) -> bool:
-        return not self.in_prefill and len(self.output) >= self.max_new_tokens
 
 
 class Runner:
@@ -119,7 +78,7 @@ class Runner:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size_of(model)
         self.logits_pad_sizes = list(
-            _power_of_two_buckets(max_num_tokens) if logits_pad_sizes is None else sorted(logits_pad_sizes)
+            power_of_two_buckets(max_num_tokens) if logits_pad_sizes is None else sorted(logits_pad_sizes)
         )
         self.backend = self._resolve_backend(backend)
         self.cudagraphs = bool(getattr(self.backend, "cudagraphs", False))
@@ -127,16 +86,16 @@ class Runner:
             token_pad_sizes = default_token_pad_sizes(max_num_tokens) if self.cudagraphs and max_num_tokens >= 2 else []
         elif self.backend is None and token_pad_sizes:
             raise ValueError("token_pad_sizes needs a compiled model (backend=...): eager steps are not padded")
-        self.token_pad_sizes = _check_sizes("token_pad_sizes", token_pad_sizes, max_num_tokens)
+        self.token_pad_sizes = check_sizes("token_pad_sizes", token_pad_sizes, max_num_tokens)
         self._recorder = self._graph_recorder()
         if whole_step_sizes is None:
             largest = pad_to_bucket(max_num_seqs, self.token_pad_sizes)
             whole_step_sizes = [n for n in self.token_pad_sizes if n <= largest] if self._recorder is not None else []
         elif whole_step_sizes and self._recorder is None:
             raise ValueError("whole_step_sizes needs CUDA graphs: a backend made with cudagraphs=True, on CUDA")
-        self.whole_step_sizes = _check_sizes("whole_step_sizes", whole_step_sizes, max_num_tokens)
+        self.whole_step_sizes = check_sizes("whole_step_sizes", whole_step_sizes, max_num_tokens)
         self._forward: Callable = model if self.backend is None else compile_for_varying_sizes(model, self.backend)
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, Request] = {}
         self._step_id = 0
         self.step_counts: Counter[str] = Counter()  # "whole_step" / "piecewise" (compiled) / "eager"
         self.resize_kv_cache(max_num_seqs, max_model_len)
@@ -163,7 +122,7 @@ class Runner:
         self.kv_cache = self.whole_step_graphs = None  # let the old arrays go before the new ones are allocated
         padding_slots = max([2, *self.token_pad_sizes, *self.whole_step_sizes]) if self.backend is not None else 0
         self.kv_cache = KVCache(max_num_seqs, max_model_len, self.device, self.dtype, padding_slots=padding_slots)
-        self._padding = _Request(-1, [], 0, self.kv_cache.padding_base) if self.backend is not None else None
+        self._padding = Request(-1, [], 0, self.kv_cache.padding_base) if self.backend is not None else None
         if self.whole_step_sizes:
             self.whole_step_graphs = WholeStepGraphs(self._forward_step, self.kv_cache, self.whole_step_sizes,
                                                      self._recorder, self._record_fallback, self._next_step_id)
@@ -216,37 +175,6 @@ class Runner:
 
     # ----- one step ------------------------------------------------------------------------------
 
-    def _in_vocab(self, token_lists: Iterable[Sequence[int]]) -> bool:
-        """Every token an int inside the vocabulary, checked at C speed: one packed copy, one
-        min/max (a 32k-token prompt costs ~0.2 ms, not ~2 ms of a Python loop the GPU waits for; a
-        decode step of 64 requests checked chunk by chunk cost ~0.7 ms on the H200)."""
-        packed = array.array("q")
-        try:
-            for tokens in token_lists:
-                packed.extend(tokens)
-        except (TypeError, OverflowError):
-            return False
-        if not packed or self.vocab_size is None:
-            return True
-        low, high = torch.aminmax(torch.frombuffer(packed, dtype=torch.int64))
-        return int(low) >= 0 and int(high) < self.vocab_size
-
-    def _validate_tokens(self, seq_label: str, tokens: Sequence[int]) -> None:
-        """Every token an int inside the vocabulary; the loop runs only to name the first bad token."""
-        if self._in_vocab([tokens]):
-            return
-        for i, token in enumerate(tokens):
-            integer = hasattr(type(token), "__index__")  # what array("q") accepts: int, numpy and 0-d tensor ints
-            if not integer or (self.vocab_size is not None and not 0 <= token < self.vocab_size):
-                bound = f"[0, {self.vocab_size})" if self.vocab_size is not None else "an int"
-                raise ValueError(f"{seq_label}: token {i} is {token!r}, outside the vocabulary {bound}")
-
-    def _validate_step_tokens(self, chunks: Sequence[SeqChunk]) -> None:
-        """Every chunk's tokens checked at once; chunk by chunk only to name the request with a bad token."""
-        if not self._in_vocab(chunk.tokens for chunk in chunks):
-            for chunk in chunks:
-                self._validate_tokens(f"request {chunk.seq_id}", chunk.tokens)
-
     def step(self, chunks: Sequence[SeqChunk], logits_indices: Sequence[int] | None = None) -> torch.Tensor:
         """Run one step and return the logits rows ``[R, vocab]``.
 
@@ -273,7 +201,7 @@ class Runner:
                     f"max_model_len={self.max_model_len}"
                 )
             total += len(chunk.tokens)
-        self._validate_step_tokens(chunks)
+        validate_step_tokens(chunks, self.vocab_size)
         if total > self.max_num_tokens:
             raise ValueError(f"the step has {total} tokens, more than max_num_tokens={self.max_num_tokens}")
         rows = default_logits_indices(chunks) if logits_indices is None else [int(r) for r in logits_indices]
@@ -285,7 +213,7 @@ class Runner:
                 f"{len(new)} new requests but only {self.kv_cache.free_regions} free KV cache regions (max_num_seqs)"
             )
         for seq_id in new:
-            self._requests[seq_id] = _Request(seq_id, [], 0, self.kv_cache.allocate_region())
+            self._requests[seq_id] = Request(seq_id, [], 0, self.kv_cache.allocate_region())
         return self._run(chunks, rows)
 
     def _run(self, chunks: Sequence[SeqChunk], rows: list[int]) -> torch.Tensor:
@@ -317,12 +245,9 @@ class Runner:
             step_id=self._next_step_id(),
             logits_rows=list(rows),
         )
-        ids = array.array("q")
-        for chunk in chunks:  # C-speed copies, no Python list of every token
-            ids.extend(chunk.tokens)
+        ids, positions = step_tokens(chunks, requests)
         input_ids = to_device(torch.frombuffer(ids, dtype=torch.int64), self.device)
-        positions = to_device(torch.cat([torch.arange(r.num_computed, r.num_computed + len(c.tokens))
-                                         for r, c in zip(requests, chunks)]), self.device)
+        positions = to_device(torch.frombuffer(positions, dtype=torch.int64), self.device)
         indices = padded_indices(rows, self.logits_pad_sizes, self.device, num_tokens=num_tokens)
         logits = self._forward_step(meta, input_ids, positions, indices)
         for request, chunk in zip(requests, chunks):
@@ -331,13 +256,10 @@ class Runner:
         # With CUDA graphs the compiled model has already copied its outputs out of graph memory.
         return logits[: len(rows)]
 
-    def _run_whole_step(self, chunks: Sequence[SeqChunk], requests: list[_Request]) -> torch.Tensor | None:
+    def _run_whole_step(self, chunks: Sequence[SeqChunk], requests: list[Request]) -> torch.Tensor | None:
         """A step of logits rows only through its whole-step graph; None when it must run piecewise."""
-        ids, positions, first_slots = [], [], []
-        for chunk, request in zip(chunks, requests):
-            ids.extend(chunk.tokens)
-            positions.extend(range(request.num_computed, request.num_computed + len(chunk.tokens)))
-            first_slots.extend([request.slot_base] * len(chunk.tokens))
+        ids, positions = step_tokens(chunks, requests)
+        first_slots = [request.slot_base for chunk, request in zip(chunks, requests) for _ in chunk.tokens]
         logits = self.whole_step_graphs.run(ids, positions, first_slots)
         if logits is None:
             return None
@@ -384,85 +306,12 @@ class Runner:
             raise KeyError(f"no live request {seq_id}")
         self.kv_cache.free_region(request.slot_base)
 
-    # ----- scheduling whole requests --------------------------------------------------------------
-
-    def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-        if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-        if not prompts:
-            raise ValueError("prompts is empty: pass at least one prompt")
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
-            if len(prompt) + max_new_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                    f"{len(prompt) + max_new_tokens} positions, more than max_model_len={self.max_model_len}"
-                )
-            self._validate_tokens(f"prompt {i}", list(prompt))
-
-    def _schedule(self, waiting: list[_Request], running: list[_Request]) -> list[tuple[_Request, list[int], int]]:
-        """Decode rows first, then prompt chunks, then newly admitted prompts, within the budget."""
-        budget = self.max_num_tokens
-        plan = []
-        for request in running:
-            if budget == 0:
-                break
-            if request.in_prefill:
-                n = min(len(request.prompt) - request.num_computed, budget)
-                tokens = request.prompt[request.num_computed: request.num_computed + n]
-                reaches_end = request.num_computed + n == len(request.prompt)
-                plan.append((request, tokens, 1 if reaches_end else 0))
-            else:
-                tokens = [request.output[-1]]
-                n = 1
-                plan.append((request, tokens, 1))
-            budget -= n
-        while waiting and budget > 0 and self.kv_cache.free_regions > 0:
-            request = waiting.pop(0)
-            request.slot_base = self.kv_cache.allocate_region()
-            self._requests[request.seq_id] = request
-            running.append(request)
-            n = min(len(request.prompt), budget)
-            plan.append((request, request.prompt[:n], 1 if n == len(request.prompt) else 0))
-            budget -= n
-        return plan
-
-    def _serve(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[_Request]:
-        waiting = []
-        for prompt in prompts:
-            while self._next_seq_id in self._requests:
-                self._next_seq_id += 1
-            waiting.append(_Request(self._next_seq_id, list(prompt), max_new_tokens, -1))
-            self._next_seq_id += 1
-        finished, running = list(waiting), []
-        while waiting or running:
-            plan = self._schedule(waiting, running)
-            chunks = [SeqChunk(r.seq_id, tokens, n) for r, tokens, n in plan]
-            logits = self._run(chunks, default_logits_indices(chunks))
-            row = 0
-            for request, _, num_logits in plan:
-                if num_logits == 0:
-                    continue
-                request_logits = logits[row]
-                row += 1
-                if request.prompt_logits is None:
-                    request.prompt_logits = request_logits
-                if len(request.output) < request.max_new_tokens:
-                    request.output.append(int(request_logits.argmax()))
-            for request in [r for r in running if r.done]:
-                running.remove(request)
-                self.free(request.seq_id)
-        return finished
+    # ----- whole requests (runtime/scheduler.py) -------------------------------------------------
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Logits of the last token of each prompt, ``[len(prompts), vocab]``."""
-        self._check_prompts(prompts, 0)
-        return torch.stack([r.prompt_logits for r in self._serve(prompts, 0)])
+        return Scheduler(self).prefill(prompts)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy decoding: ``max_new_tokens`` new tokens for each prompt."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        self._check_prompts(prompts, max_new_tokens)
-        return [r.output for r in self._serve(prompts, max_new_tokens)]
+        return Scheduler(self).generate(prompts, max_new_tokens)

@@ -38,7 +38,7 @@ from torch.fx import GraphModule, Node
 from fx_fastprefill.passes.fx_utils import placeholders, size_sources
 from fx_fastprefill.passes.split_pieces import GRAPH, split_pieces
 
-from ..ops.step_context import current_step
+from ..ops.step_context import WHOLE_STEP, current_step
 from .. import fallbacks as reasons
 from .compile_graph import BoxedFn, compile_boxed, returns_tuple, swap_submodule
 
@@ -272,7 +272,7 @@ class PiecewiseRegion:
 
     def __call__(self, *args: Any) -> Any:
         step = current_step()
-        if step is not None and step.whole_step_graph:
+        if step is not None and step.graph_mode == WHOLE_STEP:
             # Inside a whole-step graph (recording it, or warming it up): no graphs of our own.
             self.state.mode = PLAIN
             return self._output(self.split(*args))

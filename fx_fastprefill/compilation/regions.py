@@ -11,7 +11,7 @@ Per step, the gate (the reference's per-step helper, made explicit):
   which computes exactly what the model without the pass computes. Each is counted and logged with
   its reason.
 - otherwise the reduced region gathers the boundary tensors and runs on R rows.
-- a step recorded as a whole-step CUDA graph (``StepMetadata.whole_step_graph``: every row a
+- a step recorded as a whole-step CUDA graph (``StepMetadata.graph_mode == WHOLE_STEP``: every row a
   logits row, the rows passed as ``arange(T)``) runs the region on all rows, uncounted: the
   reference document's rule turns fast prefill off for such steps, and they are decode steps.
 
@@ -30,7 +30,7 @@ from torch.fx import GraphModule, Node
 
 from fx_fastprefill.passes.fx_utils import output_args, placeholders, size_sources
 
-from ..ops.step_context import current_step
+from ..ops.step_context import WHOLE_STEP, current_step
 from .. import fallbacks as reasons
 
 
@@ -73,7 +73,7 @@ class StepGate:
         index = args[self.index_position]
         num_tokens = self._size(self.rows, args)
         step = current_step()
-        if step is not None and step.whole_step_graph:
+        if step is not None and step.graph_mode == WHOLE_STEP:
             # A whole-step graph's rows are all logits rows, in order (the Runner passes arange(T)):
             # the region's own gathers are the full-rows path already. A decode step, not a fallback.
             return self.run(*args)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from .step_context import current_step
+from .step_context import WHOLE_STEP, current_step
 from .kernels.decode import decode_attention
 from .kernels.reference import prepare_kv, reference_attention, write_kv_rows
 from .kernels.split_kv import HAS_TRITON, split_kv_attention
@@ -140,7 +140,7 @@ def attention_op(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_s
     step = _require_step(layer)
     keys, values = prepare_kv(q, k, v, layer, kv_source, kv_written is not None, step)
     kernels = KERNELS
-    if step.decode_rows is not None:  # a whole-step CUDA graph: the cache (this step's rows written) in place
+    if step.graph_mode == WHOLE_STEP:  # inside a whole-step CUDA graph: the cache (its rows written) in place
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return decode_attention(q, keys, values, step.decode_rows, scale, sliding_window, step.kv_cache.region_len,
                                 kernels.split_kv)

@@ -15,6 +15,13 @@ import torch
 
 from .kv_cache import KVCache
 
+# A step's graph mode, decided once by the Runner and obeyed by the regions, the pieces and the
+# attention op (never re-derived from the step's other fields).
+WHOLE_STEP = "whole_step"  # recorded into, replayed as or warming up one whole-step CUDA graph
+PIECEWISE = "piecewise"    # the compiled model's regions (with their piecewise CUDA graphs, if any)
+EAGER = "eager"            # the model run as it is (no backend)
+GRAPH_MODES = (WHOLE_STEP, PIECEWISE, EAGER)
+
 
 @dataclass
 class DecodeRows:
@@ -51,17 +58,26 @@ class StepMetadata:
     # The real logits rows (before padding), when the caller knows them: lets a varlen kernel run
     # the query-subset form without reading the row indices back from the device.
     logits_rows: list[int] | None = None
-    # Set for a step run as (or recorded into) a whole-step CUDA graph: its rows' metadata on the
-    # device. The host lists above then describe only the recording call.
+    # How the step runs (GRAPH_MODES) and, for a whole-step graph, its key (the padded row count).
+    graph_mode: str = PIECEWISE
+    graph_key: int | None = None
+    # A whole-step graph's rows' metadata on the device. The host lists above then describe only the
+    # recording call.
     decode_rows: DecodeRows | None = None
     # Lazily built tensors, shared by every attention call of the step.
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {self.graph_mode!r}")
+        if (self.graph_mode == WHOLE_STEP) != (self.decode_rows is not None):
+            raise ValueError("a whole-step graph step carries its rows' device metadata (decode_rows), no other does")
 
     @property
     def whole_step_graph(self) -> bool:
         """The step is recorded into, or warms up, a whole-step CUDA graph: every row one query
         that needs its logits, the attention inside the graph, fast prefill off (nothing to cut)."""
-        return self.decode_rows is not None
+        return self.graph_mode == WHOLE_STEP
 
     @property
     def num_seqs(self) -> int:

@@ -25,7 +25,7 @@ from .dynamo_guards import cheap_guards
 from ..fallbacks import FallbackCounter
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
 from ..ops.kv_cache import KVCache
-from ..ops.step_context import StepMetadata, step_context, to_device
+from ..ops.step_context import EAGER, PIECEWISE, WHOLE_STEP, StepMetadata, step_context, to_device
 from .scheduler import Scheduler
 from .whole_step_graphs import MAX_ROWS_PER_REQUEST, WholeStepGraphs
 
@@ -97,7 +97,7 @@ class Runner:
         self._forward: Callable = model if self.backend is None else compile_for_varying_sizes(model, self.backend)
         self._requests: dict[int, Request] = {}
         self._step_id = 0
-        self.step_counts: Counter[str] = Counter()  # "whole_step" / "piecewise" (compiled) / "eager"
+        self.step_counts: Counter[str] = Counter()  # steps by graph mode (ops/step_context.py: GRAPH_MODES)
         self.resize_kv_cache(max_num_seqs, max_model_len)
         self._next_seq_id = 0
 
@@ -226,7 +226,8 @@ class Runner:
             logits = self._run_whole_step(chunks, requests)
             if logits is not None:
                 return logits
-        self.step_counts["piecewise" if self.backend is not None else "eager"] += 1
+        mode = PIECEWISE if self.backend is not None else EAGER
+        self.step_counts[mode] += 1
         if self._padding is not None:
             padded = max(2, pad_to_bucket(num_tokens, self.token_pad_sizes))
             if padded > num_tokens:
@@ -244,6 +245,7 @@ class Runner:
             has_prefill=len(rows) < num_tokens,
             step_id=self._next_step_id(),
             logits_rows=list(rows),
+            graph_mode=mode,
         )
         ids, positions = step_tokens(chunks, requests)
         input_ids = to_device(torch.frombuffer(ids, dtype=torch.int64), self.device)
@@ -263,7 +265,7 @@ class Runner:
         logits = self.whole_step_graphs.run(ids, positions, first_slots)
         if logits is None:
             return None
-        self.step_counts["whole_step"] += 1
+        self.step_counts[WHOLE_STEP] += 1
         for request, chunk in zip(requests, chunks):
             request.num_computed += len(chunk.tokens)
         return logits

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..step_context import StepMetadata, to_device
+from ..step_context import WHOLE_STEP, StepMetadata, to_device
 
 
 def _query_selection(step: StepMetadata, query_rows: Tensor | None, num_q: int, device) -> tuple[Tensor, Tensor]:
@@ -55,7 +55,7 @@ def write_kv_rows(k: Tensor, v: Tensor, layer: str, step: StepMetadata) -> None:
             f"write_kv(layer={layer!r}): k has {k.shape[0]} rows but the step has {step.num_tokens} tokens"
         )
     keys, values = step.kv_cache.layer_arrays(layer, k.shape[1], k.shape[2], v.shape[2])
-    slots = step.decode_rows.slots if step.decode_rows is not None else _new_slots(step, keys.device)
+    slots = step.decode_rows.slots if step.graph_mode == WHOLE_STEP else _new_slots(step, keys.device)
     keys[slots] = k.to(keys.dtype)
     values[slots] = v.to(values.dtype)
     step.kv_cache.last_write_step[layer] = step.step_id
@@ -80,7 +80,7 @@ def prepare_kv(q: Tensor, k: Tensor | None, v: Tensor | None, layer: str, kv_sou
             f"attention layer {layer!r} reads kv_source={kv_source!r}, which has not written its cache in this "
             "step: a KV-sharing layer must run after its source layer"
         )
-    if not (k is None or step.whole_step_graph or any(c > 0 for c in step.context_lens)):
+    if not (k is None or step.graph_mode == WHOLE_STEP or any(c > 0 for c in step.context_lens)):
         return None, None
     keys, values = cache.source_arrays(cache_layer, layer)
     if q.shape[1] % keys.shape[1] != 0 or q.shape[2] != keys.shape[2]:

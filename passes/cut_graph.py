@@ -16,16 +16,16 @@ import operator
 
 import sympy
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from fx_fastprefill.ops.schema import QUERY_ROWS
 
 from .fx_utils import placeholders, size_sources
+from .fake_values import refresh_fake_values
 from .gather_hoisting import HoistPlan
 from .meta_keys import BOUNDARY_GATHER, FULL_SIZE_NODE, LAYOUT, REDUCED_SIZE_NODE, ROLE, SOURCE
 from .rule_registry import REDUCED_SIZE
-from .token_layout import Layout, is_factor, shape_exprs, size_expr
+from .token_layout import Layout, is_factor, shape_exprs
 
 aten = torch.ops.aten
 
@@ -226,40 +226,3 @@ def cut_graph(gm: GraphModule, plan: HoistPlan) -> list[Node]:
     resized = [node for node, result in plan.rules.items() if result.arg_rewrites]
     refresh_fake_values(gm, gathers + new_nodes + resized)
     return gathers
-
-
-def refresh_fake_values(gm: GraphModule, changed: list[Node]) -> None:
-    """Recompute ``meta["val"]`` downstream of ``changed``, in graph order, as far as values change.
-
-    A recomputed node whose value has its own storage and the same sizes, strides, offset, dtype
-    and device as before keeps its old value, and its readers are not recomputed: most of a graph
-    is downstream of the cut, and faking every op of it again under symbolic sizes takes seconds
-    per thousand nodes. Views are always refreshed (their value aliases their input's)."""
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders(gm)])
-    dirty = set(changed)
-
-    def value(arg):
-        return arg.meta["val"] if isinstance(arg, Node) else arg
-
-    with fake_mode:
-        for node in gm.graph.nodes:
-            if node.op != "call_function" or (node not in dirty and not any(a in dirty for a in node.all_input_nodes)):
-                continue
-            args = torch.fx.node.map_aggregate(node.args, value)
-            kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
-            new = node.target(*args, **kwargs)
-            if node not in dirty and _same_fresh_tensor(node.meta.get("val"), new):
-                continue
-            dirty.add(node)
-            node.meta["val"] = new
-            node.meta.pop("tensor_meta", None)  # stale sizes; Inductor's passes read it when present
-
-
-def _same_fresh_tensor(old, new) -> bool:
-    """Both tensors, ``new`` not a view, with equal sizes, strides, offset, dtype and device."""
-    if not isinstance(old, torch.Tensor) or not isinstance(new, torch.Tensor) or new._is_view():
-        return False
-    if (old.dtype, old.device, old.dim()) != (new.dtype, new.device, new.dim()):
-        return False
-    return all(size_expr(a) == size_expr(b) for a, b in zip(
-        (*old.shape, *old.stride(), old.storage_offset()), (*new.shape, *new.stride(), new.storage_offset())))

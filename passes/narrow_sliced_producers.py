@@ -32,7 +32,7 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
-from .cut_graph import refresh_fake_values
+from .fake_values import refresh_fake_values
 from .fx_utils import is_open_end, is_whole_slice, slice_args
 from .gather_hoisting import HoistPlan
 from .token_layout import shape_exprs

@@ -52,6 +52,8 @@ def assign_regions(gm: GraphModule) -> dict[Node, str]:
 def split_regions(gm: GraphModule) -> GraphModule:
     """``gm`` as a GraphModule that calls its ``full`` and ``reduced`` region submodules."""
     regions = assign_regions(gm)
+    # Not keep_original_order=True: torch's split_module then fails on cut graphs (KeyError on a
+    # getitem node, tests/test_passes.py); two regions, the reduced reading the full, need no order.
     split = split_module(gm, gm, lambda node: _PARTITION[regions[node]])
     for name, region in (("submod_0", FULL), ("submod_1", REDUCED)):
         if not hasattr(split, name):

@@ -14,23 +14,22 @@ import torch
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx import GraphModule, Node
 
+from fx_fastprefill.ops.schema import SDPA_OP, is_package_op
 from fx_fastprefill.passes.capture_sdpa import capture_sdpa
 from fx_fastprefill.passes.fx_utils import input_name, placeholders
+from fx_fastprefill.passes.pipeline import PIPELINE, Pass, PassContext, PipelineOptions, run_pipeline
 from fx_fastprefill.passes.split_regions import FULL, REDUCED
 
-from fx_fastprefill.ops.schema import SDPA_OP, is_package_op
-
+from .. import fallbacks as fallback_reasons
+from ..fallbacks import FallbackCounter
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
 from ..ops import sdpa as _sdpa_kernels  # noqa: F401
 from ..ops.attention import NO_BACKWARD
 from ..report.builder import build_report
 from ..report.report import ReportLog
-from .. import fallbacks as fallback_reasons
 from . import spmd
 from .compile_graph import COMPILERS, as_submodule, compile_boxed, inductor, returns_tuple, swap_submodule
 from .cudagraphs import PiecewiseRegion, Recorder, non_owning_supported
-from ..fallbacks import FallbackCounter
-from fx_fastprefill.passes.pipeline import PIPELINE, Pass, PassContext, PipelineOptions, run_pipeline
 from .regions import CompiledProgram, StepGate
 
 log = logging.getLogger("fx_fastprefill")

@@ -67,6 +67,11 @@ def _cache(kwargs: dict) -> Any:
     return kwargs.get("cache") if cache is None else cache
 
 
+def _cache_argument(forward: Callable[..., Any]) -> str:
+    """The name a forward takes its cache by: ``cache`` (transformers 5.25 on), ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 def mark_prompt_dynamic(args: tuple, kwargs: dict) -> None:
     """Mark the prompt-length dims of a prefill call's inputs dynamic (and a static cache's length),
     the batch and everything else static: one graph for every prompt length, without
@@ -167,7 +172,7 @@ def kv_shapes(model: nn.Module, forward: Callable[..., Any], cache: Any) -> list
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
             ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
-            forward(input_ids=ids, past_key_values=probe, use_cache=True, logits_to_keep=1)
+            forward(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_argument(forward): probe})
     except Exception as e:  # noqa: BLE001 - the shapes are then unknown: the cache is made in the prefill
         log.warning("probing the K/V shapes of %s failed (%s: %s)", type(model).__name__, type(e).__name__, e)
         return []

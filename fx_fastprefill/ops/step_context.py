@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Hashable, Iterator, TypeVar
 
 import torch
 
 from .kv_cache import KVCache
+
+T = TypeVar("T")
 
 # A step's graph mode, decided once by the Runner and obeyed by the regions, the pieces and the
 # attention op (never re-derived from the step's other fields).
@@ -64,8 +66,8 @@ class StepMetadata:
     # A whole-step graph's rows' metadata on the device. The host lists above then describe only the
     # recording call.
     decode_rows: DecodeRows | None = None
-    # Lazily built tensors, shared by every attention call of the step.
-    _tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    # Values built once per step and shared by its attention calls (see cached()).
+    _tensors: dict[Hashable, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.graph_mode not in GRAPH_MODES:
@@ -89,9 +91,14 @@ class StepMetadata:
 
     def tensor(self, name: str, device: torch.device) -> torch.Tensor:
         """The named per-step list as an int64 tensor on ``device``, built once per step."""
-        key = f"{name}@{device}"
+        return self.cached(f"{name}@{device}",
+                           lambda: to_device(torch.tensor(getattr(self, name), dtype=torch.int64), device))
+
+    def cached(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()``, once per step: what every attention call of the step shares (a kernel's
+        packing of the batch, the rows' cache slots)."""
         if key not in self._tensors:
-            self._tensors[key] = to_device(torch.tensor(getattr(self, name), dtype=torch.int64), device)
+            self._tensors[key] = build()
         return self._tensors[key]
 
 

@@ -86,11 +86,6 @@ class FastPrefillReport:
     rows_symbol: Any = field(default=None, repr=False)
     reduced_rows_symbol: Any = field(default=None, repr=False)
 
-    @property
-    def full_layers(self) -> list[str]:
-        reduced = set(self.reduced_layers)
-        return [a.layer for a in self.attention_layers if a.layer not in reduced]
-
     def to_dict(self) -> dict[str, Any]:
         """Everything the summary and the explain command show, as plain JSON-able data."""
         return {

@@ -18,14 +18,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .batch import (Request, SeqChunk, check_sizes, default_logits_indices, default_token_pad_sizes, pad_to_bucket,
-                    padded_indices, power_of_two_buckets, step_tokens, validate_logits_indices, validate_step_tokens)
 from ..compilation.dynamic_shapes import compile_for_varying_sizes, varying_sizes
-from .dynamo_guards import cheap_guards
 from ..fallbacks import FallbackCounter
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
 from ..ops.kv_cache import KVCache
 from ..ops.step_context import EAGER, PIECEWISE, WHOLE_STEP, StepMetadata, step_context, to_device
+from .batch import (Request, SeqChunk, check_sizes, default_logits_indices, default_token_pad_sizes, pad_to_bucket,
+                    padded_indices, power_of_two_buckets, step_tokens, validate_logits_indices, validate_step_tokens)
+from .dynamo_guards import cheap_guards
 from .scheduler import Scheduler
 from .whole_step_graphs import MAX_ROWS_PER_REQUEST, WholeStepGraphs
 

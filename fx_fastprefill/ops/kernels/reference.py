@@ -31,16 +31,13 @@ def _query_selection(step: StepMetadata, query_rows: Tensor | None, num_q: int, 
 
 def _new_slots(step: StepMetadata, device) -> Tensor:
     """The cache slots of this step's rows, built once per step (every layer writes the same slots)."""
-    key = f"new_slots@{device}"
-    if key not in step._tensors:
-        if not step.num_seqs:
-            return torch.empty(0, dtype=torch.int64, device=device)
-        step._tensors[key] = to_device(torch.cat([
-            torch.arange(step.slot_base[i] + step.context_lens[i],
-                         step.slot_base[i] + step.context_lens[i] + step.query_start[i + 1] - step.query_start[i])
-            for i in range(step.num_seqs)
-        ]), device)
-    return step._tensors[key]
+    if not step.num_seqs:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return step.cached(f"new_slots@{device}", lambda: to_device(torch.cat([
+        torch.arange(step.slot_base[i] + step.context_lens[i],
+                     step.slot_base[i] + step.context_lens[i] + step.query_start[i + 1] - step.query_start[i])
+        for i in range(step.num_seqs)
+    ]), device))
 
 
 def write_kv_rows(k: Tensor, v: Tensor, layer: str, step: StepMetadata) -> None:

@@ -66,28 +66,32 @@ def packing(step: StepMetadata, query_rows: Tensor | None, device, keys_from_cac
     cached = keys_from_cache or any(c > 0 for c in step.context_lens)
     split_kv = split_kv_available and max(per_seq_q, default=0) <= SPLIT_KV_MAX_QUERIES
     key = ("varlen", tuple(per_seq_q), cached, split_kv, str(device))
-    if key not in step._tensors:
-        per_seq_k = [c + m for c, m in zip(step.context_lens, new)]
-        pack = VarlenPacking(max(per_seq_q, default=0), max(per_seq_k, default=0), sum(per_seq_q), cached, split_kv)
-        if split_kv:
-            starts, lengths, positions = [], [], []
-            offset = 0
-            for nq, nk, base in zip(per_seq_q, per_seq_k, step.slot_base):
-                starts += [base if cached else offset] * nq
-                lengths += [nk] * nq
-                positions += list(range(nk - nq, nk))  # a request's queries are the suffix of its keys
-                offset += nk
-            pack.query_key_start, pack.query_key_len, pack.query_position = (
-                to_device(torch.tensor(x, dtype=torch.int32), device) for x in (starts, lengths, positions))
-        else:
-            pack.cu_q = to_device(torch.tensor([0] + _cumsum(per_seq_q), dtype=torch.int32), device)
-            pack.cu_k = to_device(torch.tensor([0] + _cumsum(per_seq_k), dtype=torch.int32), device)
-            if cached:
-                pack.key_slots = to_device(
-                    torch.cat([torch.arange(b, b + k) for b, k in zip(step.slot_base, per_seq_k)]), device
-                )
-        step._tensors[key] = pack
-    return step._tensors[key]
+    return step.cached(key, lambda: _pack(step, per_seq_q, new, cached, split_kv, device))
+
+
+def _pack(step: StepMetadata, per_seq_q: list[int], new: list[int], cached: bool, split_kv: bool,
+          device) -> "VarlenPacking":
+    """The packing of one step's batch for the varlen kernels (built once per step)."""
+    per_seq_k = [c + m for c, m in zip(step.context_lens, new)]
+    pack = VarlenPacking(max(per_seq_q, default=0), max(per_seq_k, default=0), sum(per_seq_q), cached, split_kv)
+    if split_kv:
+        starts, lengths, positions = [], [], []
+        offset = 0
+        for nq, nk, base in zip(per_seq_q, per_seq_k, step.slot_base):
+            starts += [base if cached else offset] * nq
+            lengths += [nk] * nq
+            positions += list(range(nk - nq, nk))  # a request's queries are the suffix of its keys
+            offset += nk
+        pack.query_key_start, pack.query_key_len, pack.query_position = (
+            to_device(torch.tensor(x, dtype=torch.int32), device) for x in (starts, lengths, positions))
+    else:
+        pack.cu_q = to_device(torch.tensor([0] + _cumsum(per_seq_q), dtype=torch.int32), device)
+        pack.cu_k = to_device(torch.tensor([0] + _cumsum(per_seq_k), dtype=torch.int32), device)
+        if cached:
+            pack.key_slots = to_device(
+                torch.cat([torch.arange(b, b + k) for b, k in zip(step.slot_base, per_seq_k)]), device
+            )
+    return pack
 
 
 def _request_of(step: StepMetadata, row: int) -> int:

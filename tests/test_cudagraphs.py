@@ -195,3 +195,22 @@ def test_staging_keeps_strides_and_grows_without_moving_old_views():
     big = staging.view(0, torch.zeros(64, 64))
     assert big.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
     torch.testing.assert_close(view, strided)  # the old view keeps its buffer and contents
+
+
+def test_keyed_graph_lifecycle():
+    """Warm up, record, replay per key; a failed key runs without graphs for good; each call
+    without a graph counted with its reason."""
+    from collections import Counter
+
+    from fx_fastprefill.compilation import graph_lifecycle as lifecycle
+    counted = Counter()
+    keys = lifecycle.KeyedGraphLifecycle(lambda reason: counted.update([reason]), "warm-up", "failed")
+    assert [keys.action(1), keys.action(1)] == [lifecycle.WARM_UP, lifecycle.RECORD]
+    keys.recorded(1)
+    assert keys.action(1) == lifecycle.REPLAY and keys.settled(1)
+    assert [keys.action(2), keys.action(2)] == [lifecycle.WARM_UP, lifecycle.RECORD]
+    keys.failed(2)
+    assert keys.action(2) == lifecycle.NO_GRAPH and keys.settled(2) and keys.failures == 1
+    assert counted == {"warm-up": 2, "failed": 2}
+    keys.clear()
+    assert keys.action(1) == lifecycle.WARM_UP

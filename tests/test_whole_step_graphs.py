@@ -70,7 +70,7 @@ def test_warm_up_record_replay_draft_rows_padding_and_mixed_steps():
     for step in steps:
         torch.testing.assert_close(runner.step(step), plain.step(step), rtol=1e-5, atol=1e-5)
     assert backend.fallbacks[fallbacks.WHOLE_STEP_WARMUP] == 2
-    assert runner.whole_step_graphs.state == {2: "recorded", 8: "recorded"}
+    assert runner.whole_step_graphs.lifecycle.states == {2: "recorded", 8: "recorded"}
     assert runner.whole_step_graphs.replays == 2 and runner.step_counts["whole_step"] == 6
     assert backend.fallbacks[fallbacks.WHOLE_STEP_TOO_LARGE] == 1
     # A mixed step: the reduced region runs on its logits rows (the gate counts no fallback).

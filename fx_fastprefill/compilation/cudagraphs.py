@@ -40,12 +40,12 @@ from fx_fastprefill.passes.split_pieces import GRAPH, split_pieces
 
 from ..ops.step_context import WHOLE_STEP, current_step
 from .. import fallbacks as reasons
+from . import graph_lifecycle as lifecycle
 from .compile_graph import BoxedFn, compile_boxed, returns_tuple, swap_submodule
 
 log = logging.getLogger("fx_fastprefill")
 
-_WARMED, _RECORDED, _FAILED = "warmed", "recorded", "failed"
-PLAIN, RECORD, REPLAY = "plain", "record", "replay"
+PLAIN, RECORD, REPLAY = "plain", "record", "replay"  # what the pieces do in the current call
 
 
 def non_owning(t: Tensor) -> Tensor:
@@ -244,9 +244,9 @@ class PiecewiseRegion:
         self.static_positions = sorted(static_input_idxs)
         self.record_fallback = record_fallback
         self.copy_outputs = False
-        self.keys: dict[tuple, str] = {}
+        self.keys = lifecycle.KeyedGraphLifecycle(record_fallback, reasons.CUDAGRAPH_WARMUP,
+                                                  reasons.CUDAGRAPH_RECORD_FAILED)
         self.static_ptrs: list[int] | None = None
-        self.failed = 0
 
     def _key_sizes(self, inputs: list[Node], infos) -> list[tuple[int, int | None]]:
         """Where to read the sizes that fix every recorded piece's input shapes: one (input, dim)
@@ -276,27 +276,24 @@ class PiecewiseRegion:
             # Inside a whole-step graph (recording it, or warming it up): no graphs of our own.
             self.state.mode = PLAIN
             return self._output(self.split(*args))
-        key, seen = self._state(args)
+        key, action = self._state(args)
         state = self.state
         state.key = key
-        if seen == _RECORDED:
+        if action == lifecycle.REPLAY:
             state.mode = REPLAY
-        elif seen == _WARMED:
+        elif action == lifecycle.RECORD:
             state.mode = RECORD
             # Read in place, like values the pieces produce: parameters, and views of them that a
             # views-only piece makes (a weight's transpose).
             state.produced.update(_storage(args[i]) for i in self.static_positions if isinstance(args[i], Tensor))
             try:
                 out = self.split(*args)
-                self.keys[key] = _RECORDED
+                self.keys.recorded(key)
                 return self._output(out)
             except Exception as e:  # noqa: BLE001 - counted and logged; this key runs without graphs
-                log.warning(
-                    "recording the CUDA graphs of a region failed for sizes %s: %s", key, e, exc_info=not self.failed
-                )
-                self.keys[key] = _FAILED
-                self.failed += 1
-                self.record_fallback(reasons.CUDAGRAPH_RECORD_FAILED)
+                log.warning("recording the CUDA graphs of a region failed for sizes %s: %s", key, e,
+                            exc_info=not self.keys.failures)
+                self.keys.failed(key)
                 state.mode = PLAIN
             finally:
                 state.produced.clear()
@@ -311,9 +308,9 @@ class PiecewiseRegion:
             return tuple(o.clone() if isinstance(o, Tensor) else o for o in out)
         return out.clone() if isinstance(out, Tensor) else out
 
-    def _state(self, args: tuple) -> tuple[tuple, str | None]:
-        """This call's key and what was done for it before: nothing (None: warm up now), warmed
-        (record now), recorded (replay) or failed (run without graphs)."""
+    def _state(self, args: tuple) -> tuple[tuple, str]:
+        """This call's key and what to do for it (graph_lifecycle.py: warm up, record, replay, or run
+        without graphs)."""
         ptrs = [args[i].data_ptr() if isinstance(args[i], Tensor) else None for i in self.static_positions]
         if self.static_ptrs is not None and ptrs != self.static_ptrs:
             self.record_fallback(reasons.CUDAGRAPH_STATIC_INPUT_MOVED)
@@ -322,10 +319,4 @@ class PiecewiseRegion:
             self.keys.clear()
         self.static_ptrs = ptrs
         key = self._key(args)
-        seen = self.keys.get(key)
-        if seen is None:
-            self.keys[key] = _WARMED
-            self.record_fallback(reasons.CUDAGRAPH_WARMUP)
-        elif seen == _FAILED:
-            self.record_fallback(reasons.CUDAGRAPH_RECORD_FAILED)
-        return key, seen
+        return key, self.keys.action(key)

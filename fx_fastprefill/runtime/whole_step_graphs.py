@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .. import fallbacks as reasons
+from ..compilation import graph_lifecycle as lifecycle
 from ..ops.kv_cache import KVCache
 from ..ops.step_context import WHOLE_STEP, DecodeRows, StepMetadata
 
@@ -39,8 +40,6 @@ log = logging.getLogger("fx_fastprefill")
 # Rows of one request a whole-step graph takes: one decode token, or a few draft tokens to verify.
 # More rows per request re-read its keys once per row: chunks that long go the piecewise way.
 MAX_ROWS_PER_REQUEST = 4
-
-_WARMED, _RECORDED, _FAILED = "warmed", "recorded", "failed"
 
 
 class WholeStepGraphs:
@@ -56,7 +55,8 @@ class WholeStepGraphs:
         device, self.max_rows = kv_cache.device, self.sizes[-1]
         self.rows = torch.zeros(3, self.max_rows, dtype=torch.int64, device=device)  # ids, positions, first slots
         self.indices = torch.arange(self.max_rows, device=device)
-        self.state: dict[int, str] = {}
+        self.lifecycle = lifecycle.KeyedGraphLifecycle(record_fallback, reasons.WHOLE_STEP_WARMUP,
+                                                       reasons.WHOLE_STEP_RECORD_FAILED)
         self.graphs: dict[int, tuple[Any, Tensor]] = {}
         self.pool: Any = None
         self.replays = 0
@@ -75,19 +75,16 @@ class WholeStepGraphs:
         if size is None:
             self.record_fallback(reasons.WHOLE_STEP_TOO_LARGE)
             return None
-        state = self.state.get(size)
-        if state == _FAILED:
-            self.record_fallback(reasons.WHOLE_STEP_RECORD_FAILED)
+        action = self.lifecycle.action(size)
+        if action == lifecycle.NO_GRAPH:
             return None
         self._fill(size, ids, positions, first_slots)
-        if state == _RECORDED:
+        if action == lifecycle.REPLAY:
             graph, logits = self.graphs[size]
             graph.replay()
             self.replays += 1
             return logits[:num_rows].clone()
-        if state is None:
-            self.state[size] = _WARMED
-            self.record_fallback(reasons.WHOLE_STEP_WARMUP)
+        if action == lifecycle.WARM_UP:
             return self._call(size)[:num_rows]
         return self._record(size, num_rows)
 
@@ -119,14 +116,14 @@ class WholeStepGraphs:
                 graph, outputs = self.recorder.capture(lambda _: [self._call(size)], [], self.pool)
         except Exception:  # noqa: BLE001 - counted and logged; this size runs piecewise from now on
             log.warning("recording the whole-step CUDA graph of %d rows failed", size, exc_info=True)
-            self.state[size] = _FAILED
-            self.record_fallback(reasons.WHOLE_STEP_RECORD_FAILED)
+            self.lifecycle.failed(size)
             return None
-        self.graphs[size], self.state[size] = (graph, outputs[0]), _RECORDED
+        self.graphs[size] = (graph, outputs[0])
+        self.lifecycle.recorded(size)
         return outputs[0][:num_rows].clone()
 
     def warm_up_and_record(self) -> None:
         """Record every size now, largest first, with padding rows only."""
         for size in reversed(self.sizes):
-            while self.state.get(size) not in (_RECORDED, _FAILED):
+            while not self.lifecycle.settled(size):
                 self.run([], [], [], size)

@@ -33,7 +33,8 @@ from .flops import estimate_flops
 from .gather_hoisting import HoistPlan, NoCut, analyze
 from .link_kv_sources import link_kv_sources
 from .narrow_sliced_producers import Narrowed, narrow_sliced_producers
-from .split_regions import split_regions
+from .split_pieces import PieceInfo, split_pieces
+from .split_regions import FULL, REDUCED, split_regions
 
 log = logging.getLogger("fx_fastprefill")
 
@@ -54,6 +55,7 @@ class PipelineOptions:
     draft_layers: tuple[str, ...] = ()
     narrow_slices: bool = True
     prompt_len: int = 2048
+    cudagraphs: bool = False  # piecewise CUDA graphs for this graph: its regions split into pieces
 
 
 @dataclass
@@ -71,6 +73,7 @@ class PassContext:
     flops_full: float = 0.0
     flops_cut: float = 0.0
     split: GraphModule | None = None  # the cut graph as calls of its full and reduced regions
+    pieces: dict[str, tuple[GraphModule, list[PieceInfo]]] = field(default_factory=dict)  # region -> its pieces
     declined: str = ""
     failed: bool = False  # declined by an error in a pass (counted as a fallback), not by a rule
     seconds: dict[str, float] = field(default_factory=dict)
@@ -135,10 +138,23 @@ def split(ctx: PassContext) -> None:
     ctx.flops_cut = estimate_flops(ctx.gm, ctx.plan.rows, ctx.plan.reduced_rows, ctx.options.prompt_len)
 
 
+def pieces(ctx: PassContext) -> None:
+    """With piecewise CUDA graphs, each region split into the pieces recorded as graphs and the
+    ops that run eagerly between them (passes/split_pieces.py)."""
+    if ctx.options.cudagraphs:
+        ctx.pieces = {name: split_pieces(getattr(ctx.split, name)) for name in (FULL, REDUCED)}
+
+
 PIPELINE: list[Pass] = [link, find_eligible, require_enabled, copy_for_cut, hoist, narrow,
-                        require_reduced_attention, cut, split]
-# Passes that rewrite the graph (dumped with FX_FASTPREFILL_DUMP_GRAPHS).
-REWRITES = {link, narrow, cut}
+                        require_reduced_attention, cut, split, pieces]
+# Passes that rewrite the graph (dumped with FX_FASTPREFILL_DUMP_GRAPHS), and what is dumped.
+REWRITES: dict[Pass, Callable[[PassContext], str]] = {
+    link: lambda ctx: ctx.gm.print_readable(print_output=False),
+    narrow: lambda ctx: ctx.gm.print_readable(print_output=False),
+    cut: lambda ctx: ctx.gm.print_readable(print_output=False),
+    pieces: lambda ctx: "\n".join(f"# {name}\n" + split.print_readable(print_output=False)
+                                   for name, (split, _) in ctx.pieces.items()),
+}
 
 
 def run_pipeline(ctx: PassContext, passes: list[Pass] = PIPELINE) -> PassContext:
@@ -168,6 +184,8 @@ def run_pipeline(ctx: PassContext, passes: list[Pass] = PIPELINE) -> PassContext
         if dump and pass_ in REWRITES:
             path = Path(dump) / f"graph{graph_id}_{k:02d}_{name}.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(ctx.gm.print_readable(print_output=False))
+            text = REWRITES[pass_](ctx)
+            if text:
+                path.write_text(text)
     log.debug("pass times (ms): %s", {n: round(1000 * s, 2) for n, s in ctx.seconds.items()})
     return ctx

@@ -214,3 +214,16 @@ def test_keyed_graph_lifecycle():
     assert counted == {"warm-up": 2, "failed": 2}
     keys.clear()
     assert keys.action(1) == lifecycle.WARM_UP
+
+
+def test_the_piece_split_is_a_timed_and_dumped_pass(tmp_path, monkeypatch):
+    """With CUDA graphs (here the stand-in recorder), the regions are split into pieces by the
+    pipeline's ``pieces`` pass: timed in the report and written with FX_FASTPREFILL_DUMP_GRAPHS."""
+    monkeypatch.setenv("FX_FASTPREFILL_DUMP_GRAPHS", str(tmp_path))
+    torch._dynamo.reset()
+    backend = FastPrefillBackend(compiler="eager", cudagraphs=True, graph_recorder=RerunRecorder())
+    runner, _ = run(backend, token_pad_sizes=[16, 32, 64])
+    assert runner.report.cut and "pieces" in runner.report.pass_seconds
+    [dump] = tmp_path.glob("*_pieces.txt")
+    text = dump.read_text()
+    assert "# full" in text and "# reduced" in text and "piece_" in text

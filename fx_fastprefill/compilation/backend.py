@@ -7,6 +7,7 @@ compiled and put behind the per-step gate.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Iterable, Sequence
 
@@ -146,7 +147,7 @@ class FastPrefillBackend:
                 isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
             cudagraphs = False
             record_fallback(fallback_reasons.CUDAGRAPHS_NOT_CUDA)
-        ctx = run_pipeline(PassContext(gm, self.options), self.passes)
+        ctx = run_pipeline(PassContext(gm, dataclasses.replace(self.options, cudagraphs=cudagraphs)), self.passes)
         compiled = None
         if not ctx.declined:
             try:
@@ -178,16 +179,16 @@ class FastPrefillBackend:
         for name in (FULL, REDUCED):
             region = getattr(split, name)
             static_idxs = [i for i, a in enumerate(calls[name].args) if isinstance(a, Node) and a.name in static_names]
-            run = self._compile_region(region, static_idxs, cudagraphs, record_fallback)
+            run = self._compile_region(region, static_idxs, cudagraphs, record_fallback, ctx.pieces.get(name))
             if name == REDUCED and plan.per_step:
                 run = StepGate(run, region, plan.index.name, plan.rows, plan.reduced_rows, record_fallback)
             swap_submodule(split, name, run)
         return CompiledProgram(split, copy_outputs=cudagraphs)
 
     def _compile_region(self, region: GraphModule, static_idxs: list[int], cudagraphs: bool,
-                        record_fallback: Callable[[str], None]) -> Callable[..., Any]:
+                        record_fallback: Callable[[str], None], pieces: Any = None) -> Callable[..., Any]:
         if cudagraphs:
-            return PiecewiseRegion(region, self.compiler, static_idxs, record_fallback, self.graph_recorder)
+            return PiecewiseRegion(region, self.compiler, static_idxs, record_fallback, self.graph_recorder, pieces)
         single = not returns_tuple(region)
         return as_submodule(compile_boxed(region, self.compiler, static_idxs), single)
 

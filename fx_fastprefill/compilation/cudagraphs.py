@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 from fx_fastprefill.passes.fx_utils import placeholders, size_sources
-from fx_fastprefill.passes.split_pieces import GRAPH, split_pieces
+from fx_fastprefill.passes.split_pieces import GRAPH, PieceInfo, split_pieces
 
 from ..ops.step_context import WHOLE_STEP, current_step
 from .. import fallbacks as reasons
@@ -219,9 +219,12 @@ class PiecewiseRegion:
     """
 
     def __init__(self, region: GraphModule, compiler: str, static_input_idxs: list[int],
-                 record_fallback: Callable[[str], None], recorder: Recorder | None = None):
+                 record_fallback: Callable[[str], None], recorder: Recorder | None = None,
+                 pieces: tuple[GraphModule, list[PieceInfo]] | None = None):
+        """``pieces``: the region already split (the pipeline's ``pieces`` pass); else split here
+        (a graph compiled unchanged, which the pipeline did not finish)."""
         inputs = placeholders(region)
-        self.split, infos = split_pieces(region)
+        self.split, infos = pieces or split_pieces(region)
         self.state = _RegionState(recorder or CUDAGraphRecorder())
         self.key_sizes = self._key_sizes(inputs, infos)
         self.pieces: list[CUDAGraphPiece] = []

@@ -161,11 +161,11 @@ def kv_shapes(model: nn.Module, forward: Callable[..., Any], cache: Any) -> list
     """Per cache layer, the (K/V heads, head dim) the model writes to a static cache like ``cache``;
     [] where they cannot be known (K and V of different sizes, or the probe failed).
 
-    The model's ``forward`` (uncompiled) runs once on fake tensors (no memory, no compute) with one token over a
-    fresh copy of the cache, and each layer's lazily made tensors are read: the shapes transformers
-    itself would allocate, for every model (Falcon's one shared K/V head whatever its config says,
-    per-layer head dims), where a config-derived shape can be wrong. Module state the forward
-    reassigns (a rotary cache, say) is put back."""
+    The model's ``forward`` (uncompiled) runs once on fake tensors (no memory, no compute) with one
+    token over a fresh copy of the cache, and each layer's lazily made tensors are read: the shapes
+    transformers itself would allocate, for every model (Falcon's one shared K/V head whatever its
+    config says, per-layer head dims), where a config-derived shape can be wrong. Module state the
+    forward sets (a rotary cache, say) is put back as it was, so no fake tensor stays behind."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     probe = copy.deepcopy(cache)
     state = [(module, dict(module.__dict__), dict(module._buffers)) for module in model.modules()]
@@ -178,7 +178,9 @@ def kv_shapes(model: nn.Module, forward: Callable[..., Any], cache: Any) -> list
         return []
     finally:
         for module, attributes, buffers in state:
+            module.__dict__.clear()
             module.__dict__.update(attributes)
+            module._buffers.clear()
             module._buffers.update(buffers)
     shapes = []
     for layer in probe.layers:

@@ -167,6 +167,8 @@ def find_seeds(gm: GraphModule, per_step: bool) -> tuple[list[tuple[Node, Layout
     index = candidates[-1][1]
     chosen = [c for c in candidates if c[1] is index]
     rows, reduced = chosen[0][3], chosen[0][4]
+    if rows == reduced and rows.is_Integer:
+        raise NoCut(f"the index selects {reduced} rows of {rows}: as many as the tokens, nothing to cut")
     if rows == reduced:
         raise NoCut(
             "the token count and the logits-row count share one size symbol (they were equal when traced, and duck "

@@ -175,3 +175,24 @@ def test_plain_sdpa_model_with_causal_flag_matches():
     # Calls outside any submodule are named by their order; the cut reaches layer 1's queries.
     assert report.cut and report.eligible_layers == ["sdpa_2"], report.explain()
     assert report.reduced_layers == ["sdpa_1", "sdpa_2"]
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("rows", [[4], [0, 0, -1, 3]], ids=["one-row", "repeated-and-negative"])
+def test_logits_to_keep_as_an_index_tensor(dynamic, rows):
+    """transformers accepts a 1-D index tensor as logits_to_keep (the same positions of every
+    sequence, negative ones from the end, repeats allowed): the cut runs on exactly those rows."""
+    torch.manual_seed(0)
+    model = QUICKEST.tiny(**QUICKEST.SMALLEST)
+    backend = fx_fastprefill.backend(compiler="eager")
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward if dynamic else model, backend=backend, dynamic=dynamic)
+    ids, mask = left_padded_batch([11, 8], model.config.vocab_size, pad_id=0, seed=1)
+    keep = torch.tensor(rows)
+    with torch.no_grad():
+        got = forward(input_ids=ids, attention_mask=mask, logits_to_keep=keep, use_cache=False).logits
+        want = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep, use_cache=False).logits
+    assert got.shape == want.shape == (2, len(rows), model.config.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    report = backend.reports[-1]
+    assert report.cut and "index tensor" in report.row_selection, report.reason

@@ -1,0 +1,156 @@
+"""Time to the first output of a fresh process, cold and warm (issue "Start in seconds").
+
+Each (model, variant, phase) runs in a process of its own. ``cold``: an empty Inductor cache
+directory; ``warm``: the directory the cold process left (a restart). The model is built before
+the clock starts (weights in memory); what is timed is what a user waits for after that.
+
+- ``generate`` models (transformers, as ``benchmarks/hf_generate.py`` builds them): the first
+  ``model.generate(max_new_tokens=1)`` (prefill and the first token). Variants: ``plain_dynamic``
+  (the prefill under plain ``torch.compile`` with the same dynamic marks as ``compile_for_generate``,
+  the decode path the same), ``plain_static`` (the prefill with static shapes) and ``ffp``
+  (``fx_fastprefill.compile_for_generate``).
+- ``runner`` models (the flat example at Gemma E2B shapes, as ``benchmarks/prefill.py`` builds
+  them): ``Runner(...)``, ``capture()`` (with CUDA graphs, on CUDA) and one prefill step. Variants:
+  ``plain`` (``fx_fastprefill.backend(fast_prefill=False)``: the same regions and graphs without
+  the cut) and ``ffp``.
+
+Records ``{model, device, variant, phase, first_output_s, compile_s, capture_s}`` (``compile_s``:
+Dynamo's own compile time, every graph; ``capture_s``: the Runner's capture) plus the cache
+counters. Every process runs with PYTHONHASHSEED=0 (Gemma 4's graph follows a set's order).
+
+    PYTHONPATH=. python3 benchmarks/start_time.py --models gemma4-e2b,gemma3n-e2b,runner-gemma3n-e2b \\
+        --out benchmarks/results/DATE-h200-start-time.json
+    PYTHONPATH=. python3 benchmarks/start_time.py --smoke --out /tmp/start.json   # CPU, tiny models
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATE_VARIANTS = ("plain_dynamic", "plain_static", "ffp")
+RUNNER_VARIANTS = ("plain", "ffp")
+SMOKE_MODELS = ("gemma4-tiny", "runner-tiny")
+
+
+def _generate_model(name: str, device: str):
+    import torch
+    from benchmarks.hf_generate import build
+    from examples import hf_gemma4
+    if name == "gemma4-tiny":
+        torch.manual_seed(0)
+        with torch.device(device):
+            return hf_gemma4.tiny(num_hidden_layers=12, hand_slicing=False)
+    model = build(name, device)  # Gemma 4 with its hand slicing off, as hf_generate.py's compiled variants
+    return hf_gemma4.without_hand_slicing(model) if name.startswith("gemma4") else model
+
+
+def _first_generate(args) -> dict:
+    import torch
+    import fx_fastprefill
+    from fx_fastprefill.integrations.generate import GenerateForward
+    model = _generate_model(args.model, args.device).eval()
+    if args.device == "cuda":
+        model.to(torch.bfloat16)
+    batch, seq = (int(x) for x in args.shape.split("x"))
+    ids = torch.randint(3, model.config.get_text_config().vocab_size, (batch, seq), device=args.device)
+    start = time.perf_counter()
+    if args.variant == "ffp":
+        fx_fastprefill.compile_for_generate(model)
+    else:  # the same dispatch, the prefill under plain torch.compile
+        model.generation_config.disable_compile = True
+        forward = GenerateForward(model, "inductor", "inductor", True)
+        forward.prompt_dynamic = args.variant == "plain_dynamic"
+        model.forward = forward
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                       pad_token_id=0, cache_implementation="static")
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    record = {"first_output_s": time.perf_counter() - start, "capture_s": 0.0}
+    handle = getattr(model, "fx_fastprefill", None)
+    if handle is not None:
+        record["cut"] = all(r.cut for r in handle.reports)
+    return record
+
+
+def _first_step(args) -> dict:
+    import torch
+    import fx_fastprefill
+    from benchmarks.prefill import MODELS
+    from examples.gemma3n import Config, Gemma3nLike
+    cfg = Config(n_layers=6, pattern=3, num_kv_shared_layers=2) if args.model == "runner-tiny" \
+        else MODELS[args.model.removeprefix("runner-")]
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    with torch.device(args.device):
+        model = Gemma3nLike(cfg).to(dtype)
+    batch, seq = (int(x) for x in args.shape.split("x"))
+    start = time.perf_counter()
+    backend = fx_fastprefill.backend(fast_prefill=args.variant == "ffp", cudagraphs=args.device == "cuda")
+    runner = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=batch * seq, max_model_len=seq + 16,
+                                   max_num_seqs=batch, device=args.device, dtype=dtype)
+    capture_s = runner.capture(progress=False) if args.device == "cuda" else 0.0
+    runner.prefill([[3 + (i * 7 + j) % (cfg.vocab_size - 3) for j in range(seq)] for i in range(batch)])
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    return {"first_output_s": time.perf_counter() - start, "capture_s": capture_s, "cut": runner.report.cut}
+
+
+def child(args) -> dict:
+    from torch._dynamo.utils import compilation_time_metrics, counters
+    sys.path.insert(0, str(ROOT))
+    record = (_first_step if args.model.startswith("runner-") else _first_generate)(args)
+    record["compile_s"] = sum(compilation_time_metrics.get("_compile.compile_inner", []))
+    record["caches"] = {f"{group}.{k}": v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
+                        if "cache" in k}
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="gemma4-e2b,gemma3n-e2b,runner-gemma3n-e2b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default=None, help="BxT (default 1x8192; 1x64 with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny models: a check of the script")
+    parser.add_argument("--out")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RECORD " + json.dumps(child(args)), flush=True)
+        return
+    if args.smoke:
+        args.models, args.device = ",".join(SMOKE_MODELS), "cpu"
+    shape = args.shape or ("1x64" if args.smoke else "1x8192")
+    records = []
+    for model in args.models.split(","):
+        for variant in RUNNER_VARIANTS if model.startswith("runner-") else GENERATE_VARIANTS:
+            with tempfile.TemporaryDirectory() as cache_dir:
+                for phase in ("cold", "warm"):
+                    env = dict(os.environ, PYTHONHASHSEED="0", TORCHINDUCTOR_CACHE_DIR=cache_dir,
+                               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+                    cmd = [sys.executable, __file__, "--child", "--model", model, "--variant", variant,
+                           "--device", args.device, "--shape", shape]
+                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                    lines = [x for x in proc.stdout.splitlines() if x.startswith("RECORD ")]
+                    record = {"model": model, "device": args.device, "shape": shape, "variant": variant,
+                              "phase": phase}
+                    record.update(json.loads(lines[-1][len("RECORD "):]) if lines else {"error": proc.stderr[-3000:]})
+                    print(json.dumps({k: v for k, v in record.items() if k != "caches"}), flush=True)
+                    records.append(record)
+                    if args.out:
+                        meta = {"argv": sys.argv[1:], "python": sys.version.split()[0]}
+                        Path(args.out).write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -121,24 +121,10 @@ def _clamped_suffix(gm: GraphModule) -> str | None:
     """The reason when the graph's row selection is ``x[:, -k:]`` with a k that may exceed the token
     count: it keeps min(k, T) rows, not k, so there is no fixed logits-row count to cut to."""
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not aten.slice.Tensor:
-            continue
-        shape, out = shape_exprs(node.args[0].meta.get("val")), shape_exprs(node.meta.get("val"))
-        if not shape or not out:
-            continue
-        dim, start, end, step = slice_args(node)
-        dim = dim + len(shape) if dim < 0 else dim
-        rows = shape[dim]
-        if step not in (None, 1) or not is_open_end(end) or not (rows.is_Integer or _single_symbol(rows)):
-            continue
-        if isinstance(start, int) and start < 0:
-            name = str(-start)
-        elif isinstance(start, Node) and start.target is operator.neg and isinstance(start.args[0], Node) \
-                and isinstance(start.args[0].meta.get("val"), torch.SymInt):
-            name = f"k ({start.args[0].meta['val'].node.expr})"
-        else:
-            continue
-        if out[dim] == rows:  # Dynamo's guards have k >= T in this graph
+        found = _last_rows_slice(node)
+        if found is not None and found[2] == found[1]:  # Dynamo's guards have k >= T in this graph
+            _, rows, _, k, k_expr = found
+            name = str(k) if isinstance(k, int) else f"k ({k_expr})"
             return (f"the row selection x[:, -k:] keeps every row in this graph: logits_to_keep={name} is not less "
                     f"than the token count ({rows}), so there are no fewer logits rows to cut to")
     return None
@@ -180,42 +166,45 @@ def find_seeds(gm: GraphModule, per_step: bool) -> tuple[list[tuple[Node, Layout
     return [(c[0], Layout(c[2])) for c in chosen], index, rows, reduced
 
 
-def _suffix_slice(node: Node) -> tuple[Layout, sympy.Expr, int | Node, sympy.Expr] | None:
-    """(layout, rows, k, reduced rows) when ``node`` is ``x[..., -k:, ...]`` on a dim whose size is
-    one symbol, or a constant (static shapes); ``k`` is an int, or the graph value of a symbolic k
-    (an int ``logits_to_keep`` Dynamo made dynamic)."""
+def _last_rows_slice(node: Node) -> tuple[int, sympy.Expr, sympy.Expr, int | Node, sympy.Expr] | None:
+    """(dim, rows, rows kept, k, k as an expression) when ``node`` is ``x[..., -k:, ...]`` over a dim
+    whose size is one symbol, or a constant (static shapes: the dim the slice selects on is the
+    token dim, T its size); ``k`` is an int, or the graph input holding a symbolic k (an int
+    ``logits_to_keep`` Dynamo made dynamic)."""
     if node.op != "call_function" or node.target is not aten.slice.Tensor:
         return None
-    src = node.args[0]
-    shape = shape_exprs(src.meta.get("val"))
-    if not shape:
+    shape, out = shape_exprs(node.args[0].meta.get("val")), shape_exprs(node.meta.get("val"))
+    if not shape or not out:
         return None
     dim, start, end, step = slice_args(node)
     dim = dim + len(shape) if dim < 0 else dim
     if step not in (None, 1) or not is_open_end(end):
         return None
-    # Static shapes: the dim this slice selects on is the token dim, T its size.
     rows = shape[dim] if shape[dim].is_Integer else _single_symbol(shape[dim])
     if rows is None:
         return None
-    out = shape_exprs(node.meta.get("val"))
     if isinstance(start, int):
-        # A constant k: the slice has k rows only where the graph knows k <= rows (a static T > k, or
-        # a guard); with k > T possible it has min(k, T), its size is not k, and every row is kept.
-        if start < 0 and out and out[dim] == -start and not (rows.is_number and -start >= rows):
-            return Layout(dim), rows, -start, sympy.Integer(-start)
-        return None
-    # A symbolic k, sliced as x[:, -k:]. Dynamo specializes k of 0 and 1 (their own graphs: -0 is
-    # every row), so this graph runs only for k >= 2; its guards keep k <= rows exactly when the
-    # slice's size is k itself.
+        return (dim, rows, out[dim], -start, sympy.Integer(-start)) if start < 0 else None
     if isinstance(start, Node) and start.target is operator.neg and isinstance(start.args[0], Node) \
             and start.args[0].op == "placeholder":
-        k = start.args[0]
-        k_val = k.meta.get("val")
-        if isinstance(k_val, torch.SymInt) and isinstance(k_val.node.expr, sympy.Symbol) and out \
-                and out[dim] == k_val.node.expr and k_val.node.expr != rows:
-            return Layout(dim), rows, k, k_val.node.expr
+        k_val = start.args[0].meta.get("val")
+        if isinstance(k_val, torch.SymInt) and isinstance(k_val.node.expr, sympy.Symbol):
+            return dim, rows, out[dim], start.args[0], k_val.node.expr
     return None
+
+
+def _suffix_slice(node: Node) -> tuple[Layout, sympy.Expr, int | Node, sympy.Expr] | None:
+    """(layout, rows, k, reduced rows) when ``node`` takes the last k rows of a dim
+    (:func:`_last_rows_slice`) and the graph knows k < T: the slice's size is k itself. With k > T
+    possible it keeps min(k, T) rows; with k == T, every row (nothing to cut). Dynamo specializes a
+    symbolic k of 0 and 1 (their own graphs: -0 is every row), so such a graph runs for k >= 2."""
+    found = _last_rows_slice(node)
+    if found is None:
+        return None
+    dim, rows, kept, k, k_expr = found
+    if kept != k_expr or k_expr == rows:
+        return None
+    return Layout(dim), rows, k, k_expr
 
 
 def find_suffix_seed(gm: GraphModule) -> tuple[Node, Layout, sympy.Expr, int | Node, sympy.Expr] | None:

@@ -298,7 +298,7 @@ class GenerateWithCache:
         functools.update_wrapper(self, generate)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        chosen = any(kwargs.get(name) is not None for name in ("past_key_values", "cache", "generation_config"))
+        chosen = _cache(kwargs) is not None or kwargs.get("generation_config") is not None
         if self.cache_implementation is not None and not chosen and "cache_implementation" not in kwargs:
             kwargs["cache_implementation"] = None if self.cache_implementation == "dynamic" else "static"
         return self.original(*args, **kwargs)

@@ -60,9 +60,9 @@ class StepMetadata:
     # The real logits rows (before padding), when the caller knows them: lets a varlen kernel run
     # the query-subset form without reading the row indices back from the device.
     logits_rows: list[int] | None = None
-    # How the step runs (GRAPH_MODES) and, for a whole-step graph, its key (the padded row count).
+    # How the step runs (GRAPH_MODES). A whole-step graph's key is its padded row count, the step's
+    # size; piecewise regions key their graphs by their inputs' sizes.
     graph_mode: str = PIECEWISE
-    graph_key: int | None = None
     # A whole-step graph's rows' metadata on the device. The host lists above then describe only the
     # recording call.
     decode_rows: DecodeRows | None = None

@@ -173,11 +173,13 @@ def validate_step_tokens(chunks: Sequence[SeqChunk], vocab_size: int | None) -> 
             validate_tokens(f"request {chunk.seq_id}", chunk.tokens, vocab_size)
 
 
-def step_tokens(chunks: Sequence[SeqChunk], requests: Sequence[Request]) -> tuple[array.array, array.array]:
-    """A step's token ids and their positions (each request's rows continue where it stopped),
-    packed at C speed into int64 arrays: no Python list of every token."""
-    ids, positions = array.array("q"), array.array("q")
-    for chunk, request in zip(chunks, requests):
+def step_tokens(chunks: Sequence[SeqChunk], requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's token ids and their positions (each request's rows continue where it stopped), as
+    int64 host tensors built at C speed: no Python list of every token (positions of a 32k-token
+    prompt from ``arange`` take ~0.04 ms, from a Python range ~1 ms)."""
+    ids = array.array("q")
+    for chunk in chunks:
         ids.extend(chunk.tokens)
-        positions.extend(range(request.num_computed, request.num_computed + len(chunk.tokens)))
-    return ids, positions
+    positions = torch.cat([torch.arange(request.num_computed, request.num_computed + len(chunk.tokens))
+                           for chunk, request in zip(chunks, requests)])
+    return torch.frombuffer(ids, dtype=torch.int64), positions

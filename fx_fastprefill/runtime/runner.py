@@ -248,8 +248,7 @@ class Runner:
             graph_mode=mode,
         )
         ids, positions = step_tokens(chunks, requests)
-        input_ids = to_device(torch.frombuffer(ids, dtype=torch.int64), self.device)
-        positions = to_device(torch.frombuffer(positions, dtype=torch.int64), self.device)
+        input_ids, positions = to_device(ids, self.device), to_device(positions, self.device)
         indices = padded_indices(rows, self.logits_pad_sizes, self.device, num_tokens=num_tokens)
         logits = self._forward_step(meta, input_ids, positions, indices)
         for request, chunk in zip(requests, chunks):
@@ -260,9 +259,9 @@ class Runner:
 
     def _run_whole_step(self, chunks: Sequence[SeqChunk], requests: list[Request]) -> torch.Tensor | None:
         """A step of logits rows only through its whole-step graph; None when it must run piecewise."""
-        ids, positions = step_tokens(chunks, requests)
+        ids, positions = step_tokens(chunks, requests)  # a few rows per request: lists are cheap here
         first_slots = [request.slot_base for chunk, request in zip(chunks, requests) for _ in chunk.tokens]
-        logits = self.whole_step_graphs.run(ids, positions, first_slots)
+        logits = self.whole_step_graphs.run(ids.tolist(), positions.tolist(), first_slots)
         if logits is None:
             return None
         self.step_counts[WHOLE_STEP] += 1

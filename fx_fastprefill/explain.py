@@ -72,8 +72,15 @@ def compile_and_report(
     """Compile ``model`` with the pass on the CPU, run one small prefill, return its reports.
 
     The cut does not depend on how the regions are compiled afterwards, so by default they run
-    eagerly (``compiler="eager"``): explaining a model takes seconds, not an Inductor build.
+    eagerly (``compiler="eager"``): explaining a model takes seconds, not an Inductor build. The
+    passes always run (the AOTAutograd cache off): a program loaded from it keeps no graph to print.
     """
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return _compile_and_report(model, prompt_len, draft_layers, compiler, prompt_tokens, num_prompts)
+
+
+def _compile_and_report(model: nn.Module, prompt_len: int, draft_layers: tuple[str, ...], compiler: str,
+                        prompt_tokens: int, num_prompts: int) -> list[FastPrefillReport]:
     backend = make_backend(draft_layers=draft_layers, prompt_len=prompt_len, compiler=compiler)
     vocab = vocab_size_of(model)
     if vocab is None:

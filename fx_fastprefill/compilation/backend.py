@@ -7,8 +7,10 @@ compiled and put behind the per-step gate.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -18,7 +20,7 @@ from torch.fx import GraphModule, Node
 from fx_fastprefill.ops.schema import SDPA_OP, is_package_op
 from fx_fastprefill.passes.capture_sdpa import capture_sdpa
 from fx_fastprefill.passes.fx_utils import input_name, placeholders
-from fx_fastprefill.passes.pipeline import PIPELINE, Pass, PassContext, PipelineOptions, run_pipeline
+from fx_fastprefill.passes.pipeline import DUMP_ENV, PIPELINE, Pass, PassContext, PipelineOptions, run_pipeline
 from fx_fastprefill.passes.split_regions import FULL, REDUCED
 
 from .. import fallbacks as fallback_reasons
@@ -29,8 +31,10 @@ from ..ops.attention import NO_BACKWARD
 from ..report.builder import build_report
 from ..report.report import ReportLog
 from . import spmd
-from .compile_graph import COMPILERS, as_submodule, compile_boxed, inductor, returns_tuple, swap_submodule
+from . import program_cache
+from .compile_graph import COMPILERS, BoxedGraph, GraphCode, Submodule, compile_boxed, inductor, swap_submodule
 from .cudagraphs import PiecewiseRegion, Recorder, non_owning_supported
+from .program_cache import ProgramCode
 from .regions import CompiledProgram, StepGate
 
 log = logging.getLogger("fx_fastprefill")
@@ -107,6 +111,10 @@ class FastPrefillBackend:
         self.fallbacks = FallbackCounter()
         self._input_names: list[str] = []
         self._autograd_warned = False
+        self._declined_by_ranks = ""  # set while the ranks' disagreement recompiles a graph unchanged
+        options = {**dataclasses.asdict(self.options), "compiler": compiler, "cudagraphs": cudagraphs,
+                   "recorder": type(graph_recorder).__qualname__}
+        self._cache_tag = program_cache.cache_key_tag(options, self.passes)
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
         self._input_names = [input_name(n.name) for n in placeholders(gm)]
@@ -114,8 +122,66 @@ class FastPrefillBackend:
             return self._compile_for_autograd(gm, example_inputs)
         if self.options.fast_prefill:
             capture_sdpa(gm)
-        return aot_module_simplified(gm, example_inputs, fw_compiler=self._compile_aten,
-                                     inference_compiler=self._compile_aten, decompositions=_decompositions())
+        compiled, code = self._aot(gm, example_inputs)
+        if code is None or not code.groups:
+            return compiled
+        # Tensor parallel: the ranks compare plans only now, whether each compiled or loaded its
+        # program (compilation/spmd.py); on a difference every rank compiles the graph unchanged.
+        ranks, disagreement = spmd.check(code.groups, code.fingerprint)
+        code.report.ranks = ranks
+        if disagreement and code.fingerprint == spmd.UNCHANGED:  # this rank's program is unchanged already
+            code.report.reason = disagreement
+            self._fallback_recorder(code.report.fallbacks)(fallback_reasons.RANKS_DISAGREE)
+        elif disagreement:
+            self._declined_by_ranks = disagreement
+            try:
+                with torch._functorch.config.patch(enable_autograd_cache=False):  # not the cut just saved
+                    compiled, code = self._aot(gm, example_inputs)
+            finally:
+                self._declined_by_ranks = ""
+            code.report.ranks = ranks
+        return compiled
+
+    def _aot(self, gm: GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable[..., Any], ProgramCode | None]:
+        """AOTAutograd with the pipeline as its compiler, through its cache: the program compiled,
+        or loaded from the cache (program_cache.py), with it the ProgramCode it ran."""
+        programs: list[ProgramCode] = []
+
+        def compile_program(aten: GraphModule, inputs: Sequence[Any]) -> ProgramCode:
+            # The regions and pieces go through Inductor's FX graph cache (which bundling turns off):
+            # identical pieces compile once, and a new program reuses the graphs an earlier one compiled.
+            with torch._functorch.config.patch(bundled_autograd_cache=False):
+                programs.append(self._compile_aten(aten, inputs))
+            return programs[-1]
+
+        def loaded(code: ProgramCode, from_cache: bool) -> None:
+            self._adopt_loaded(code)
+            programs.append(code)
+
+        compiler = program_cache.serializable(compile_program)
+        if os.environ.get(DUMP_ENV):
+            compiler = None  # dumping the passes' graphs: they must run, not be served from the cache
+        elif compiler is None or self._cache_tag is None:
+            compiler = None
+            self.fallbacks.record(fallback_reasons.NO_PROGRAM_CACHE)
+        caching = program_cache.caching(self._cache_tag, loaded) if compiler else contextlib.nullcontext()
+        compiler = compiler or compile_program
+        with caching:
+            compiled = aot_module_simplified(gm, example_inputs, fw_compiler=compiler, inference_compiler=compiler,
+                                             decompositions=_decompositions())
+        return compiled, (programs[-1] if programs else None)
+
+    def _adopt_loaded(self, code: ProgramCode) -> None:
+        """A program from the cache joins this backend: its report, its compile-time fallbacks counted
+        again, its run-time ones counted here from now on."""
+        report = code.report
+        report.from_cache = True
+        for reason, count in report.fallbacks.items():
+            self.fallbacks.record(reason)
+            self.fallbacks[reason] += count - 1
+        code.program.bind(self._fallback_recorder(report.fallbacks), self.graph_recorder)
+        self.reports.append(report)
+        log.info("loaded a compiled graph from the AOTAutograd cache%s", "" if report.cut else " (not cut)")
 
     def _compile_for_autograd(self, gm: GraphModule, example_inputs: Sequence[Any]):
         """A graph that autograd differentiates is compiled the standard way, with no package op in
@@ -136,7 +202,7 @@ class FastPrefillBackend:
         from torch._inductor.compile_fx import compile_fx
         return compile_fx(gm, example_inputs)
 
-    def _compile_aten(self, gm: GraphModule, example_inputs: Sequence[Any]):
+    def _compile_aten(self, gm: GraphModule, example_inputs: Sequence[Any]) -> ProgramCode:
         inputs = placeholders(gm)
         names = dict(zip(inputs, self._input_names)) if len(inputs) == len(self._input_names) else {}
         static = _static_inputs(inputs)
@@ -148,27 +214,27 @@ class FastPrefillBackend:
             cudagraphs = False
             record_fallback(fallback_reasons.CUDAGRAPHS_NOT_CUDA)
         ctx = run_pipeline(PassContext(gm, dataclasses.replace(self.options, cudagraphs=cudagraphs)), self.passes)
-        compiled = None
+        if self._declined_by_ranks:
+            ctx.declined = self._declined_by_ranks
+            record_fallback(fallback_reasons.RANKS_DISAGREE)
+        program = None
         if not ctx.declined:
             try:
-                compiled = self._compile_cut(ctx, static, cudagraphs, record_fallback)
+                program = self._compile_cut(ctx, static, cudagraphs, record_fallback)
             except Exception as e:  # noqa: BLE001 - the pass never breaks a compile: counted, logged, unchanged
                 log.warning("compiling the cut regions failed; the graph is compiled unchanged", exc_info=True)
                 ctx.declined, ctx.failed = f"compiling the cut regions failed: {type(e).__name__}: {e}", True
         if ctx.failed:
             record_fallback(fallback_reasons.PASS_FAILED)
-        ranks, disagreement = spmd.check(ctx.unchanged or gm, ctx.gm, ctx.declined)
-        if disagreement:
-            ctx.declined = disagreement
-            record_fallback(fallback_reasons.RANKS_DISAGREE)
         report = build_report(ctx, names, cudagraphs, graph_fallbacks)
-        report.ranks = ranks
         self.reports.append(report)
         if ctx.declined:
             log.info("graph left unchanged: %s", report.reason)
-            return self._compile_unchanged(ctx.unchanged or gm, example_inputs, static, cudagraphs, record_fallback)
-        log.info("compiled a graph with %d attention layers\n%s", len(ctx.layers), report.summary())
-        return compiled
+            program = self._compile_unchanged(ctx.unchanged or gm, example_inputs, static, cudagraphs, record_fallback)
+        else:
+            log.info("compiled a graph with %d attention layers\n%s", len(ctx.layers), report.summary())
+        groups = spmd.collective_groups(ctx.unchanged or gm)
+        return ProgramCode(program, report, groups, spmd.fingerprint(ctx.gm, ctx.declined))
 
     def _compile_cut(self, ctx: PassContext, static: set[Node], cudagraphs: bool,
                      record_fallback: Callable[[str], None]) -> CompiledProgram:
@@ -176,32 +242,34 @@ class FastPrefillBackend:
         split, plan = ctx.split, ctx.plan
         static_names = {ctx.copies[n].name for n in static}
         calls = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
+        parts = []
         for name in (FULL, REDUCED):
             region = getattr(split, name)
             static_idxs = [i for i, a in enumerate(calls[name].args) if isinstance(a, Node) and a.name in static_names]
             run = self._compile_region(region, static_idxs, cudagraphs, record_fallback, ctx.pieces.get(name))
             if name == REDUCED and plan.per_step:
                 run = StepGate(run, region, plan.index.name, plan.rows, plan.reduced_rows, record_fallback)
+            if hasattr(run, "bind"):
+                parts.append(run)
             swap_submodule(split, name, run)
-        return CompiledProgram(split, copy_outputs=cudagraphs)
+        return CompiledProgram(GraphCode(split), copy_outputs=cudagraphs, parts=parts)
 
     def _compile_region(self, region: GraphModule, static_idxs: list[int], cudagraphs: bool,
                         record_fallback: Callable[[str], None], pieces: Any = None) -> Callable[..., Any]:
         if cudagraphs:
             return PiecewiseRegion(region, self.compiler, static_idxs, record_fallback, self.graph_recorder, pieces)
-        single = not returns_tuple(region)
-        return as_submodule(compile_boxed(region, self.compiler, static_idxs), single)
+        return Submodule(compile_boxed(region, self.compiler, static_idxs))
 
     def _compile_unchanged(self, gm: GraphModule, example_inputs: Sequence[Any], static: set[Node], cudagraphs: bool,
-                           record_fallback: Callable[[str], None]):
+                           record_fallback: Callable[[str], None]) -> CompiledProgram:
         static_idxs = [i for i, n in enumerate(placeholders(gm)) if n in static]
         if cudagraphs:
             region = PiecewiseRegion(gm, self.compiler, static_idxs, record_fallback, self.graph_recorder)
             region.copy_outputs = True  # the caller keeps them past the next call
-            return CompiledProgram(region)
+            return CompiledProgram(region, parts=[region])
         if self.compiler == "eager":
-            return gm
-        return inductor(gm, example_inputs, static_idxs)
+            return CompiledProgram(Submodule(BoxedGraph(GraphCode(gm), single=False)))
+        return CompiledProgram(Submodule(BoxedGraph(inductor(gm, example_inputs, static_idxs), single=False)))
 
     def _fallback_recorder(self, graph_fallbacks: FallbackCounter) -> Callable[[str], None]:
         """Counts a fallback on the backend (which logs it) and on the graph's own counter (its report's)."""

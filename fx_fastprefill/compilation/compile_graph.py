@@ -7,6 +7,7 @@ convention, so the calling graph's code is the same whether a submodule is compi
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Sequence
 
 import torch
@@ -48,27 +49,96 @@ def example_inputs(gm: GraphModule) -> list[Any]:
     return [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def compile_boxed(gm: GraphModule, compiler: str, static_input_idxs: Sequence[int] = ()) -> BoxedFn:
-    """``gm`` as a boxed callable: a list of inputs in (cleared), a list of outputs out."""
+class GraphCode:
+    """A GraphModule's generated code run on the values it reads (the callables swapped in for its
+    submodules, its constants): how a compiled program holds its split graphs. It pickles as that
+    code and loads by compiling it, not by the re-trace a GraphModule unpickles with (which would
+    call the compiled callables with proxies)."""
+
+    def __init__(self, gm: GraphModule):
+        from torch.fx.graph_module import _format_import_block
+        from torch.package import sys_importer
+        python_code = gm.graph.python_code(root_module="self")
+        targets = {n.target.split(".")[0] for n in gm.graph.nodes if n.op in ("call_module", "get_attr")}
+        self.__dict__.update({t: getattr(gm, t) for t in targets})
+        self.__setstate__({"_source": _format_import_block(python_code.globals, sys_importer) + python_code.src})
+
+    def __call__(self, *args: Any) -> Any:
+        return self._forward(self, *args)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_forward"}
+
+    def __setstate__(self, state: dict) -> None:
+        from torch.fx.graph_module import _forward_from_src
+        self.__dict__.update(state)
+        self._forward = _forward_from_src(self._source, {})
+
+
+class BoxedGraph:
+    """One compiled graph as a boxed callable (a list of inputs in, cleared; a list of outputs out)
+    that pickles: an Inductor ``CompiledFxGraph`` is stored the way the AOTAutograd cache bundles
+    one (its generated source, its Triton kernels) and reloaded from that; an aten graph (the
+    ``eager`` compiler) is stored as its code."""
+
+    def __init__(self, code: Any, single: bool):
+        self.code = code      # a CompiledFxGraph, or a GraphCode under compiler="eager"
+        self.single = single  # the graph returns one value (Inductor was given it as a 1-tuple)
+
+    def __call__(self, args: list) -> list:
+        if isinstance(self.code, GraphCode):
+            out = self.code(*args)
+            args.clear()
+            return [out] if self.single else list(out)
+        return list(self.code(args))
+
+    def __getstate__(self) -> dict:
+        code = self.code
+        if not isinstance(code, GraphCode):
+            code = copy.copy(code)
+            code.prepare_for_serialization()
+        return {"code": code, "single": self.single}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if not isinstance(self.code, GraphCode):
+            self.code = _reload(self.code)
+
+
+def _reload(graph: Any) -> Any:
+    """A deserialized ``CompiledFxGraph`` made callable again: its source written back to Inductor's
+    code cache and loaded (what Inductor does on an FX-graph-cache hit), outside any tracing context
+    (its output strides are not the enclosing graph's)."""
+    from torch._guards import tracing
+    from torch._inductor.codecache import FxGraphCache
+    from torch._inductor.output_code import CompiledFxGraphConstants
+    from torch._inductor.utils import BoxedBool
+    constants = CompiledFxGraphConstants()
+    loaded, _ = FxGraphCache.cache_hit_post_compile(graph, {}, constants)
+    if loaded is None:
+        raise RuntimeError("a compiled graph of the cached program could not be reloaded from Inductor's code cache")
+    with tracing(None):
+        loaded.post_compile([], constants, {"cudagraphs": BoxedBool(False), "is_backward": False})
+    return loaded
+
+
+def compile_boxed(gm: GraphModule, compiler: str, static_input_idxs: Sequence[int] = ()) -> BoxedGraph:
+    """``gm`` compiled as a :class:`BoxedGraph`."""
     single = not returns_tuple(gm)
     if compiler == "eager":
-        def run(args: list) -> list:
-            out = gm(*args)
-            args.clear()
-            return [out] if single else list(out)
-        return run
-    compiled = inductor(_with_tuple_output(gm) if single else gm, example_inputs(gm), static_input_idxs)
-
-    def run_compiled(args: list) -> list:
-        return list(compiled(args))
-    return run_compiled
+        return BoxedGraph(GraphCode(gm), single)
+    return BoxedGraph(inductor(_with_tuple_output(gm) if single else gm, example_inputs(gm), static_input_idxs), single)
 
 
-def as_submodule(fn: BoxedFn, single: bool) -> Callable[..., Any]:
+class Submodule:
     """A boxed callable called as a submodule: positional inputs, one value or a tuple out."""
-    if single:
-        return lambda *args: fn(list(args))[0]
-    return lambda *args: tuple(fn(list(args)))
+
+    def __init__(self, fn: BoxedGraph):
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.fn(list(args))
+        return out[0] if self.fn.single else tuple(out)
 
 
 def swap_submodule(parent: GraphModule, name: str, fn: Callable[..., Any]) -> None:

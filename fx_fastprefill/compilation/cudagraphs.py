@@ -41,7 +41,7 @@ from fx_fastprefill.passes.split_pieces import GRAPH, PieceInfo, split_pieces
 from ..ops.step_context import WHOLE_STEP, current_step
 from .. import fallbacks as reasons
 from . import graph_lifecycle as lifecycle
-from .compile_graph import BoxedFn, compile_boxed, returns_tuple, swap_submodule
+from .compile_graph import BoxedFn, GraphCode, compile_boxed, returns_tuple, swap_submodule
 
 log = logging.getLogger("fx_fastprefill")
 
@@ -163,9 +163,16 @@ class _RegionState:
 class CUDAGraphPiece:
     """One compiled piece: run as compiled, recorded, or replayed, as its region's call decides."""
 
-    def __init__(self, fn: BoxedFn, static: list[bool], single: bool, state: _RegionState):
+    def __init__(self, fn: BoxedFn, static: list[bool], single: bool, state: _RegionState | None):
         self.fn, self.static, self.single, self.state = fn, static, single, state
         self.recorded: dict[tuple, _RecordedPiece] = {}
+
+    def __getstate__(self) -> dict:
+        """The compiled piece, not its graphs (a loading process records its own)."""
+        return {"fn": self.fn, "static": self.static, "single": self.single}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, state=None, recorded={})
 
     def __call__(self, *args: Any) -> Any:
         mode = self.state.mode
@@ -225,7 +232,6 @@ class PiecewiseRegion:
         (a graph compiled unchanged, which the pipeline did not finish)."""
         inputs = placeholders(region)
         self.split, infos = pieces or split_pieces(region)
-        self.state = _RegionState(recorder or CUDAGraphRecorder())
         self.key_sizes = self._key_sizes(inputs, infos)
         self.pieces: list[CUDAGraphPiece] = []
         static_inputs = {inputs[i].name for i in static_input_idxs}
@@ -238,18 +244,32 @@ class PiecewiseRegion:
                 isinstance(a, Node) and (a.op == "get_attr" or a.name in static_inputs) for a in calls[info.name].args
             ]
             piece = CUDAGraphPiece(compile_boxed(module, compiler, [i for i, s in enumerate(static) if s]), static,
-                                   not returns_tuple(module), self.state)
+                                   not returns_tuple(module), None)
             self.pieces.append(piece)
             swap_submodule(self.split, info.name, piece)
         for info in infos:
             if info.kind != GRAPH:
-                swap_submodule(self.split, info.name, getattr(self.split, info.name).forward)
+                swap_submodule(self.split, info.name, GraphCode(getattr(self.split, info.name)))
+        self.split = GraphCode(self.split)
         self.static_positions = sorted(static_input_idxs)
-        self.record_fallback = record_fallback
         self.copy_outputs = False
+        self.bind(record_fallback, recorder)
+
+    def bind(self, record_fallback: Callable[[str], None], recorder: Recorder | None = None) -> None:
+        """Fresh graph state: a new pool, staging and lifecycle, fallbacks counted by ``record_fallback``."""
+        self.state = _RegionState(recorder or CUDAGraphRecorder())
+        for piece in self.pieces:
+            piece.state = self.state
+            piece.recorded.clear()
+        self.record_fallback = record_fallback
         self.keys = lifecycle.KeyedGraphLifecycle(record_fallback, reasons.CUDAGRAPH_WARMUP,
                                                   reasons.CUDAGRAPH_RECORD_FAILED)
         self.static_ptrs: list[int] | None = None
+
+    def __getstate__(self) -> dict:
+        """The split, its compiled pieces and how to key them; graphs and counters are bound on load."""
+        kept = ("split", "pieces", "key_sizes", "static_positions", "copy_outputs")
+        return {k: self.__dict__[k] for k in kept}
 
     def _key_sizes(self, inputs: list[Node], infos) -> list[tuple[int, int | None]]:
         """Where to read the sizes that fix every recorded piece's input shapes: one (input, dim)

@@ -35,7 +35,10 @@ from .. import fallbacks as reasons
 
 
 class StepGate:
-    """The reduced region behind the per-step decision; called as the ``reduced`` submodule."""
+    """The reduced region behind the per-step decision; called as the ``reduced`` submodule.
+
+    Holds what it reads of the region as plain data (positions, size symbols, output shapes), so
+    a compiled program pickles with it; ``record_fallback`` is bound by whoever loads it."""
 
     def __init__(self, run: Callable[..., Any], region: GraphModule, index: str, rows: sympy.Symbol,
                  reduced_rows: sympy.Expr, record_fallback: Callable[[str], None]):
@@ -49,8 +52,20 @@ class StepGate:
         self.rows, self.reduced_rows = rows, reduced_rows
         outputs = output_args(region)
         self.single = not isinstance(outputs, (tuple, list))
-        self.outputs: list[Node] = [outputs] if self.single else list(outputs)
-        self.row_axes = [self._row_axis(node) for node in self.outputs]
+        nodes: list[Node] = [outputs] if self.single else list(outputs)
+        self.row_axes = [self._row_axis(node) for node in nodes]
+        self.output_shapes = [tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in n.meta["val"].shape)
+                              for n in nodes]
+        self.output_dtypes = [n.meta["val"].dtype for n in nodes]
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_record"}
+
+    def bind(self, record_fallback: Callable[[str], None], recorder: Any = None) -> None:
+        """Count fallbacks with ``record_fallback`` (and bind the region it gates)."""
+        self._record = record_fallback
+        if hasattr(self.run, "bind"):
+            self.run.bind(record_fallback, recorder)
 
     def _row_axis(self, node: Node) -> int:
         """The dim of a reduced-region output that holds the logits rows."""
@@ -80,7 +95,8 @@ class StepGate:
         if index.shape[0] == 0 or (step is not None and step.num_logits == 0):
             # Padded rows of an R == 0 step are never read: the outputs keep their padded size.
             self._record(reasons.NO_LOGITS_ROWS)
-            return self._pack([self._empty(node, args, index) for node in self.outputs])
+            return self._pack([self._empty(shape, dtype, args, index)
+                               for shape, dtype in zip(self.output_shapes, self.output_dtypes)])
         reason = None
         if step is None:
             reason = reasons.NO_STEP_METADATA
@@ -101,24 +117,30 @@ class StepGate:
     def _pack(self, outputs: list) -> Any:
         return outputs[0] if self.single else tuple(outputs)
 
-    def _empty(self, node: Node, args: tuple, index: torch.Tensor) -> torch.Tensor:
-        val = node.meta["val"]
+    def _empty(self, shape: tuple, dtype: torch.dtype, args: tuple, index: torch.Tensor) -> torch.Tensor:
         values = {symbol: self._size(symbol, args) for symbol in self.sources}
         values[self.reduced_rows] = index.shape[0]
-        shape = [int(s.node.expr.subs(values)) if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
-        return torch.empty(shape, dtype=val.dtype, device=index.device)
+        sizes = [int(sympy.sympify(s).subs(values)) for s in shape]
+        return torch.empty(sizes, dtype=dtype, device=index.device)
 
 
 class CompiledProgram:
-    """The backend's compiled callable (boxed): the split graph with its regions swapped in.
+    """The backend's compiled callable (boxed): the split graph with its regions swapped in (or,
+    for a graph compiled unchanged, the one compiled graph). It pickles: what it holds at run time
+    (the fallback counter, the CUDA-graph recorder) is given again by :meth:`bind` after a load.
 
     ``copy_outputs``: with CUDA graphs, outputs are views of memory the next call rewrites."""
 
     _boxed_call = True
 
-    def __init__(self, split: GraphModule, copy_outputs: bool = False):
+    def __init__(self, split: Callable[..., Any], copy_outputs: bool = False, parts: list | None = None):
         self.split = split
         self.copy_outputs = copy_outputs
+        self.parts = parts or []  # the gates and piecewise regions inside, bound on load
+
+    def bind(self, record_fallback: Callable[[str], None], recorder: Any = None) -> None:
+        for part in self.parts:
+            part.bind(record_fallback, recorder)
 
     def __call__(self, args: list) -> list:
         inputs = tuple(args)

@@ -9,7 +9,9 @@ on every rank when any two differ.
 
 Invariants:
 - Every rank calls :func:`agree` exactly once per compiled graph with collectives, whatever the
-  pipeline decided (a decline is a plan too): the check itself is a collective.
+  pipeline decided (a decline is a plan too) and whether its program was compiled or loaded from
+  the cache: the check itself is a collective, and it runs after AOTAutograd returns (no
+  collective runs while compiling), so a rank with a warm cache never leaves a cold one waiting.
 - What is compared is what the ranks must do alike, hashed: "unchanged", or for a cut the
   sequence of collectives and attention calls each region runs, with their shapes (R rows or T).
   Not the graph itself: a rank's share of a vocab-parallel embedding bakes its own row offsets into
@@ -31,6 +33,7 @@ from fx_fastprefill.passes.split_regions import REDUCED, assign_regions
 log = logging.getLogger("fx_fastprefill")
 DISAGREE = "the ranks planned different cuts"
 UNCHECKED = "could not check that the ranks planned the same cut"
+UNCHANGED = "unchanged"  # the fingerprint of a graph compiled unchanged
 
 
 def _is_collective(node: Node) -> bool:
@@ -55,7 +58,7 @@ def fingerprint(cut: GraphModule | None, declined: str) -> str:
     """A short hash of what this rank will run: "unchanged", or its cut's collectives and attention
     calls in the order the regions run them, with their shapes."""
     if declined:
-        return "unchanged"
+        return UNCHANGED
     regions = assign_regions(cut)
     calls = [n for n in cut.graph.nodes if n in regions and (is_package_op(n) or _is_collective(n))]
     calls.sort(key=lambda n: regions[n] == REDUCED)  # stable: graph order within each region
@@ -83,10 +86,10 @@ def agree(groups: list[str], mine: str) -> list[str] | None:
     return answer
 
 
-def check(graph: GraphModule, cut: GraphModule | None, declined: str) -> tuple[list[str], str]:
+def check(groups: list[str], fingerprint: str) -> tuple[list[str], str]:
     """(each rank's fingerprint, or [] where there is nothing to check; the reason to decline, or "")."""
     try:
-        ranks = agree(collective_groups(graph), fingerprint(cut, declined))
+        ranks = agree(groups, fingerprint)
     except Exception as e:  # noqa: BLE001 - a cut the ranks could not compare is a cut not taken
         log.warning("%s; the graph is compiled unchanged", UNCHECKED, exc_info=True)
         return [], f"{UNCHECKED}: {type(e).__name__}: {e}"

@@ -41,6 +41,8 @@ def format_shape(val, symbols: dict) -> str:
 def print_cut_graph(report) -> str:
     """The report's graph, region by region."""
     gm = report.graph
+    if gm is None:
+        return "(no graph: this report's program was loaded from the AOTAutograd cache; clear the cache to print it)"
     symbols = size_names(report.rows_symbol, report.reduced_rows_symbol)
     regions = assign_regions(gm) if report.cut else {}
     names: dict[Node, str] = {}

@@ -80,6 +80,9 @@ class FastPrefillReport:
     ranks: list[str] = field(default_factory=list)
     # Seconds each pass of the pipeline took (passes/pipeline.py), in order.
     pass_seconds: dict[str, float] = field(default_factory=dict)
+    # Loaded from torch's AOTAutograd cache (compilation/program_cache.py): the passes did not run in
+    # this process, and the graph below is not kept.
+    from_cache: bool = False
     # The cut aten graph and its region of every node, for printing (not part of the summary).
     graph: Any = field(default=None, repr=False)
     placeholder_names: dict = field(default_factory=dict, repr=False)
@@ -107,6 +110,7 @@ class FastPrefillReport:
             "cudagraphs": self.cudagraphs,
             "ranks": list(self.ranks),
             "pass_seconds": dict(self.pass_seconds),
+            "from_cache": self.from_cache,
         }
 
     def explain(self) -> str:
@@ -147,6 +151,8 @@ class FastPrefillReport:
         lines.append(
             f"prefill FLOPs removed at prompt length {self.prompt_len}: {100 * self.flops_removed_fraction:.1f}%"
         )
+        if self.from_cache:
+            lines.append("loaded from the AOTAutograd cache (compiled by an earlier process)")
         if self.cudagraphs:
             lines.append("piecewise CUDA graphs: on (attention outside, the code between captured per size)")
         if self.ranks:

@@ -1,0 +1,142 @@
+"""The backend's compiled program in torch's AOTAutograd cache: a warm restart skips AOT's
+retrace, the passes and Inductor.
+
+AOTAutograd caches what a compiler returns when the compiler is a
+``SerializableAOTDispatchCompiler``; with ``torch._functorch.config.bundled_autograd_cache`` the
+returned ``OutputCode`` itself is pickled into the cache entry (how Inductor stores its regional
+compile). The backend returns :class:`ProgramCode`: the :class:`CompiledProgram` (split graph,
+compiled regions and pieces as Inductor stores them, the gate's and the pieces' specs as plain
+data), the report, and the plan the ranks of a tensor-parallel graph compare. On a hit, AOT calls
+:meth:`ProgramCode.post_compile`, which unpickles it and hands it to the backend that is loading
+(:data:`LOADER`): the report appears in its ``reports``, fallbacks are counted on it.
+
+AOTAutograd's key covers the Dynamo graph, its inputs and torch's and Inductor's configs, not the
+compiler: :func:`cache_key_tag` adds this package's version and sources, the backend's options and
+its pass list (each pass by name and source), so a changed source or option is a new key (a miss,
+never a stale program).
+
+Private torch APIs, written against torch 2.11 and 2.13; where one is missing the backend compiles
+uncached (``fallbacks.NO_PROGRAM_CACHE``, logged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import inspect
+import logging
+import pickle
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from ..report.report import FastPrefillReport
+from .regions import CompiledProgram
+
+log = logging.getLogger("fx_fastprefill")
+
+try:
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+    from torch._inductor.output_code import OutputCode
+except ImportError:  # a torch without the serializable compiler API: compiled uncached
+    SerializableAOTDispatchCompiler = None
+    OutputCode = object
+
+# Set by the backend while AOTAutograd runs: called with each ProgramCode compiled or loaded.
+LOADER: contextvars.ContextVar[Callable[["ProgramCode", bool], None] | None] = contextvars.ContextVar(
+    "fx_fastprefill_program_loader", default=None)
+
+
+class ProgramCode(OutputCode):
+    """What the backend returns to AOTAutograd: a program that runs, and pickles into its cache."""
+
+    def __init__(self, program: CompiledProgram, report: FastPrefillReport, groups: list[str], fingerprint: str):
+        self._boxed_call = True  # on the instance: AOT's wrappers copy the instance's __dict__, not the class's
+        self.program: CompiledProgram | None = program
+        self.report: FastPrefillReport | None = report
+        self.groups, self.fingerprint = groups, fingerprint  # what the ranks compare (compilation/spmd.py)
+        self._pickled: bytes | None = None
+
+    def __call__(self, inputs: list) -> list:
+        return self.program(inputs)
+
+    def prepare_for_serialization(self) -> None:
+        # The report's graph and node names are the compile's FX objects (its printed picture): not kept.
+        report = dataclasses.replace(self.report, graph=None, placeholder_names={})
+        self._pickled = pickle.dumps((self.program, report))
+        self.program = self.report = None
+
+    def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
+        """A cache hit: the program unpickled (its compiled graphs reloaded) and handed to the loader."""
+        if self.program is None:
+            self.program, self.report = pickle.loads(self._pickled)
+            self._pickled = None
+        loader = LOADER.get()
+        if loader is not None:
+            loader(self, True)
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        """Each compiled graph inside carries its own kernels."""
+
+
+def serializable(compiler: Callable[..., ProgramCode]) -> Callable[..., ProgramCode] | None:
+    """``compiler`` as AOTAutograd's cacheable compiler, or None where this torch lacks the API."""
+    if SerializableAOTDispatchCompiler is None:
+        return None
+    return SerializableAOTDispatchCompiler(ProgramCode, compiler)
+
+
+@functools.lru_cache(maxsize=None)
+def package_digest() -> str:
+    """A hash of this package's version and every source file it runs (``passes/`` included)."""
+    import fx_fastprefill
+    from fx_fastprefill import passes
+    digest = hashlib.sha256()
+    try:
+        digest.update(importlib.metadata.version("fx_fastprefill").encode())
+    except importlib.metadata.PackageNotFoundError:
+        digest.update(b"not installed")
+    for root in sorted({Path(fx_fastprefill.__file__).parent, Path(passes.__file__).parent}):
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _pass_identity(pass_: Callable[..., Any]) -> str | None:
+    """A pass by qualified name and source; None where its source cannot be read (not keyable)."""
+    try:
+        source = inspect.getsource(pass_ if inspect.isroutine(pass_) or inspect.isclass(pass_) else type(pass_))
+    except (OSError, TypeError):
+        return None
+    name = f"{getattr(pass_, '__module__', '?')}.{getattr(pass_, '__qualname__', type(pass_).__qualname__)}"
+    return name + ":" + hashlib.sha256(source.encode()).hexdigest()
+
+
+def cache_key_tag(options: dict[str, Any], passes: Sequence[Callable[..., Any]]) -> str | None:
+    """The tag that keys the backend's programs apart from any other compiler's and from each
+    other's: the package, the options, the passes. None where a pass cannot be keyed."""
+    identities = [_pass_identity(p) for p in passes]
+    if None in identities:
+        return None
+    text = "\n".join([package_digest(), repr(sorted(options.items())), *identities])
+    return "fx_fastprefill-" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def caching(tag: str, loader: Callable[[ProgramCode, bool], None]) -> Iterator[None]:
+    """Within: AOTAutograd bundles and serves programs keyed with ``tag`` (after any tag of the
+    user's own), and hands each compiled or loaded one to ``loader``."""
+    user_tag = torch.compiler.config.cache_key_tag
+    token = LOADER.set(loader)
+    try:
+        with torch._functorch.config.patch(bundled_autograd_cache=True), \
+                torch.compiler.config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag):
+            yield
+    finally:
+        LOADER.reset(token)

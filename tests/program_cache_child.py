@@ -1,0 +1,42 @@
+"""One process of tests/test_program_cache.py: compile the smallest Gemma 4 with the backend,
+run one batch, print what the caches did as JSON (the last line of stdout).
+
+    python -m tests.program_cache_child [--option narrow_slices=False]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--narrow-slices", default="True")
+    args = parser.parse_args()
+    import fx_fastprefill
+    from torch._dynamo.utils import counters
+    from examples import hf_gemma4
+    torch.manual_seed(0)
+    model = hf_gemma4.smallest()
+    backend = fx_fastprefill.backend(narrow_slices=args.narrow_slices == "True")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    torch.manual_seed(1)
+    ids = torch.randint(1, model.config.vocab_size, (2, 11))
+    with torch.no_grad():
+        logits = compiled(ids, logits_to_keep=1).logits
+        expected = model(ids, logits_to_keep=1).logits
+    report = backend.reports[-1]
+    print(json.dumps({
+        "aot": dict(counters["aot_autograd"]),
+        "inductor_graphs": counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"],
+        "cut": report.cut, "from_cache": report.from_cache, "reason": report.reason,
+        "reduced_layers": report.reduced_layers,
+        "max_abs_err": (logits - expected).abs().max().item(), "scale": expected.abs().max().item(),
+    }))
+
+
+if __name__ == "__main__":
+    main()

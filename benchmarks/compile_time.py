@@ -6,7 +6,8 @@ seconds to the first prefill's logits, Dynamo's own phase times (tracing, restar
 the cache counters (FX graph cache, AOTAutograd cache) and the pass pipeline's seconds.
 
 Variants: ``plain`` (``torch.compile`` default, static shapes: transformers' compiled path),
-``ffp_dynamic`` (the backend, ``dynamic=True``), ``ffp_seq`` (the backend, only the prompt length
+``plain_dynamic`` (Inductor, ``dynamic=True``: the baseline of ``ffp_dynamic``), ``ffp_dynamic``
+(the backend, ``dynamic=True``), ``ffp_seq`` (the backend, only the prompt length
 dynamic: what ``compile_for_generate`` compiles), ``ffp_static`` (the backend, static shapes).
 Every process runs with PYTHONHASHSEED=0: transformers' Gemma 4 builds its graph in the order of a
 set of strings, which changes with the hash seed, and a different graph misses every cache.
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("plain", "ffp_dynamic", "ffp_seq", "ffp_static")
+VARIANTS = ("plain", "plain_dynamic", "ffp_dynamic", "ffp_seq", "ffp_static")
 PHASES = ("_compile.compile_inner", "compile_attempt_0", "compile_attempt_1", "bytecode_tracing",
           "create_aot_dispatcher_function", "aot_collect_metadata", "compile_fx_inner", "fx_codegen_and_compile",
           "GraphLowering.compile_to_fn")
@@ -63,8 +64,9 @@ def child(args) -> dict:
     batch, seq = (int(x) for x in args.shape.split("x"))
     ids = torch.randint(3, model.config.get_text_config().vocab_size, (batch, seq), device=args.device)
     mask = torch.ones_like(ids)
-    backend = fx_fastprefill.backend() if args.variant != "plain" else None
-    dynamic = {"plain": None, "ffp_dynamic": True, "ffp_seq": None, "ffp_static": False}[args.variant]
+    backend = None if args.variant.startswith("plain") else fx_fastprefill.backend()
+    dynamic = {"plain": None, "plain_dynamic": True, "ffp_dynamic": True, "ffp_seq": None,
+               "ffp_static": False}[args.variant]
     forward = torch.compile(model.forward, backend=backend or "inductor", dynamic=dynamic)
     if args.variant == "ffp_seq":
         mark_prompt_dynamic((), {"input_ids": ids, "attention_mask": mask})
@@ -90,6 +92,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shape", default="1x8192")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=1, help="cold/warm pairs per variant, interleaved")
     parser.add_argument("--out")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
@@ -98,23 +101,30 @@ def main() -> None:
         print("RECORD " + json.dumps(child(args)), flush=True)
         return
     records = []
-    for variant in args.variants.split(","):
-        with tempfile.TemporaryDirectory() as cache_dir:
-            for state in ("cold", "warm"):
-                env = dict(os.environ, PYTHONHASHSEED="0", TORCHINDUCTOR_CACHE_DIR=cache_dir)
-                cmd = [sys.executable, __file__, "--child", "--variant", variant, "--model", args.model,
-                       "--device", args.device, "--shape", args.shape]
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                lines = [x for x in proc.stdout.splitlines() if x.startswith("RECORD ")]
-                record = {"model": args.model, "shape": args.shape, "variant": variant, "cache": state}
-                if lines:
-                    record.update(json.loads(lines[-1][len("RECORD "):]))
-                else:
-                    record["error"] = proc.stderr[-3000:]
-                print(json.dumps(record), flush=True)
-                records.append(record)
-                if args.out:
-                    Path(args.out).write_text(json.dumps(records, indent=1))
+    for repeat in range(args.repeats):  # interleaved: drift of the machine hits every variant alike
+        for variant in args.variants.split(","):
+            with tempfile.TemporaryDirectory() as cache_dir:
+                for state in ("cold", "warm"):
+                    records.append(_run(args, variant, state, cache_dir, repeat))
+                    if args.out:
+                        Path(args.out).write_text(json.dumps(records, indent=1))
+
+
+def _run(args, variant: str, state: str, cache_dir: str, repeat: int) -> dict:
+    env = dict(os.environ, PYTHONHASHSEED="0", TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    cmd = [sys.executable, __file__, "--child", "--variant", variant, "--model", args.model,
+           "--device", args.device, "--shape", args.shape]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RECORD ")]
+    record = {"model": args.model, "shape": args.shape, "variant": variant, "cache": state, "repeat": repeat,
+              "process_s": time.perf_counter() - start}
+    if lines:
+        record.update(json.loads(lines[-1][len("RECORD "):]))
+    else:
+        record["error"] = proc.stderr[-3000:]
+    print(json.dumps(record), flush=True)
+    return record
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ AUTOGRAD = "autograd is on: the graph was compiled the standard way, uncut"
 RANKS_DISAGREE = "the ranks did not agree on one cut: compiled unchanged"
 # Compile-time: the compiled program is not stored in (or served from) torch's AOTAutograd cache:
 # this torch lacks the API, or a pass of the pipeline has no readable source to key it by.
-NO_PROGRAM_CACHE = "the compiled program cannot be cached (torch API missing, or a pass without source): compiled uncached"
+NO_PROGRAM_CACHE = ("the compiled program cannot be cached (torch API missing, or a pass without source): "
+                    "compiled uncached")
 # Compile-time: piecewise CUDA graphs were asked for but cannot be used for this graph.
 CUDAGRAPHS_NOT_CUDA = "CUDA graphs asked for, but the graph's inputs are not on a CUDA device: compiled without them"
 # Run-time, per region call with piecewise CUDA graphs.

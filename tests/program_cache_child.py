@@ -1,7 +1,7 @@
 """One process of tests/test_program_cache.py: compile the smallest Gemma 4 with the backend,
 run one batch, print what the caches did as JSON (the last line of stdout).
 
-    python -m tests.program_cache_child [--option narrow_slices=False]
+    python -m tests.program_cache_child [--narrow-slices False] [--save-artifacts PATH | --load-artifacts PATH]
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ import torch
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--narrow-slices", default="True")
+    parser.add_argument("--save-artifacts", help="write torch.compiler.save_cache_artifacts() here after the run")
+    parser.add_argument("--load-artifacts", help="torch.compiler.load_cache_artifacts() from here first")
     args = parser.parse_args()
+    if args.load_artifacts:
+        with open(args.load_artifacts, "rb") as f:
+            torch.compiler.load_cache_artifacts(f.read())
     import fx_fastprefill
     from torch._dynamo.utils import counters
     from examples import hf_gemma4
@@ -29,6 +34,10 @@ def main() -> None:
         logits = compiled(ids, logits_to_keep=1).logits
         expected = model(ids, logits_to_keep=1).logits
     report = backend.reports[-1]
+    if args.save_artifacts:
+        blob, _ = torch.compiler.save_cache_artifacts()
+        with open(args.save_artifacts, "wb") as f:
+            f.write(blob)
     print(json.dumps({
         "aot": dict(counters["aot_autograd"]),
         "inductor_graphs": counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"],

@@ -96,15 +96,19 @@ def package_digest() -> str:
     """A hash of this package's version and every source file it runs (``passes/`` included)."""
     import fx_fastprefill
     from fx_fastprefill import passes
-    digest = hashlib.sha256()
     try:
-        digest.update(importlib.metadata.version("fx_fastprefill").encode())
+        version = importlib.metadata.version("fx_fastprefill")
     except importlib.metadata.PackageNotFoundError:
-        digest.update(b"not installed")
-    for root in sorted({Path(fx_fastprefill.__file__).parent, Path(passes.__file__).parent}):
+        version = "not installed"
+    return version + "-" + digest_sources((Path(fx_fastprefill.__file__).parent, Path(passes.__file__).parent))
+
+
+def digest_sources(roots: Sequence[Path]) -> str:
+    """A hash of the ``.py`` files under ``roots``: their paths and contents."""
+    digest = hashlib.sha256()
+    for root in roots:
         for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 

@@ -1,0 +1,170 @@
+"""The compiled program in torch's AOTAutograd cache (compilation/program_cache.py).
+
+- Two processes on one cache folder: the cold one compiles and saves; the warm one hits the
+  AOTAutograd cache, compiles no Inductor graph, is cut, and equals the model without the pass.
+  A third on an empty folder, given the cold one's cache artifacts, hits too; a fourth with
+  another option misses. (Subprocesses: what is tested is a restart.)
+- In one process: a program loaded from the cache (gate, piecewise regions with the test's
+  stand-in recorder, eager pieces) computes what the freshly compiled one does.
+- The key: a changed source, option or pass list is a different tag; a pass without source cannot
+  be keyed and compiles uncached, counted.
+- Tensor parallel: one rank warm, one cold; both finish, cut, with the same plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+import fx_fastprefill
+from fx_fastprefill import SeqChunk, fallbacks
+from fx_fastprefill.compilation import program_cache
+from fx_fastprefill.compilation.backend import FastPrefillBackend
+from fx_fastprefill.passes.pipeline import PIPELINE
+from tests.distributed import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _child(cache_dir: Path, *args: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "PYTHONHASHSEED": "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "tests.program_cache_child", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_warm_process_loads_the_program_and_compiles_nothing(tmp_path):
+    pytest.importorskip("transformers")
+    cold = _child(tmp_path / "cache", "--save-artifacts", str(tmp_path / "artifacts.bin"))
+    warm = _child(tmp_path / "cache")
+    shipped = _child(tmp_path / "other_machine", "--load-artifacts", str(tmp_path / "artifacts.bin"))
+    assert cold["aot"].get("autograd_cache_saved", 0) >= 1 and cold["inductor_graphs"] > 0, cold
+    assert cold["cut"] and not cold["from_cache"], cold
+    assert warm["aot"].get("autograd_cache_hit", 0) == 1 and warm["inductor_graphs"] == 0, warm
+    assert warm["cut"] and warm["from_cache"] and warm["reduced_layers"] == cold["reduced_layers"], warm
+    # The caches shipped as torch's cache artifacts into an empty folder serve the program too.
+    assert shipped["aot"].get("autograd_cache_hit", 0) == 1 and shipped["inductor_graphs"] == 0, shipped
+    assert shipped["cut"] and shipped["from_cache"], shipped
+    for run in (cold, warm, shipped):
+        assert run["max_abs_err"] <= 1e-5 * run["scale"], run  # fp32 against the model without the pass
+    other_option = _child(tmp_path / "cache", "--narrow-slices", "False")
+    assert other_option["aot"].get("autograd_cache_hit", 0) == 0 and not other_option["from_cache"], other_option
+    assert other_option["cut"] and other_option["inductor_graphs"] > 0
+
+
+def _runner_steps(backend, **options):
+    from tests.test_cudagraphs import run
+    return run(backend, **options)
+
+
+def test_a_loaded_program_computes_what_the_compiled_one_does(tmp_path, monkeypatch):
+    """Cut, gated, piecewise with the stand-in recorder: compiled, then (after a Dynamo reset) the
+    same graph again from the cache, which must replay the same logits."""
+    from tests.test_cudagraphs import RerunRecorder
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: the first compile is one
+    for options in (dict(compiler="eager"), dict(compiler="eager", cudagraphs=True, graph_recorder=RerunRecorder())):
+        torch._dynamo.reset()
+        fresh_backend = FastPrefillBackend(**options)
+        fresh_runner, fresh = _runner_steps(fresh_backend, capture=True, token_pad_sizes=[16, 48, 64])
+        assert fresh_runner.report.cut and not fresh_runner.report.from_cache
+        torch._dynamo.reset()
+        loaded_backend = FastPrefillBackend(**options)
+        loaded_runner, loaded = _runner_steps(loaded_backend, capture=True, token_pad_sizes=[16, 48, 64])
+        report = loaded_runner.report
+        assert report.cut and report.from_cache, options
+        assert report.reduced_layers == fresh_runner.report.reduced_layers
+        assert "loaded from the AOTAutograd cache" in report.summary()
+        for a, b in zip(fresh, loaded):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+        # Fallbacks of the loaded program are counted on the backend that loaded it, as they were.
+        assert dict(loaded_backend.fallbacks) == dict(fresh_backend.fallbacks)
+        if options.get("cudagraphs"):
+            assert report.cudagraphs and options["graph_recorder"].replays > 0
+            assert loaded_backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP] > 0
+
+
+def test_the_explain_command_always_runs_the_passes():
+    from examples.dense import tiny
+    from fx_fastprefill.explain import compile_and_report
+    first = compile_and_report(tiny())
+    again = compile_and_report(tiny())
+    assert not any(r.from_cache for r in first + again) and all(r.graph is not None for r in again)
+
+
+def _copy_package(to: Path) -> Path:
+    for name in ("fx_fastprefill", "passes"):
+        shutil.copytree(ROOT / name, to / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return to
+
+
+def test_a_changed_source_changes_the_key(tmp_path):
+    copy = _copy_package(tmp_path)
+    roots = (copy / "fx_fastprefill", copy / "passes")
+    before = program_cache.digest_sources(roots)
+    assert program_cache.digest_sources(roots) == before
+    with open(copy / "passes" / "cut_graph.py", "a") as f:
+        f.write("\n# a changed line\n")
+    assert program_cache.digest_sources(roots) != before
+    (copy / "fx_fastprefill" / "new_module.py").write_text("X = 1\n")
+    assert len({before, program_cache.digest_sources(roots)}) == 2
+
+
+def test_options_and_passes_change_the_key():
+    tags = {program_cache.cache_key_tag(dict(compiler=c, narrow_slices=n), PIPELINE)
+            for c in ("eager", "inductor") for n in (True, False)}
+    assert len(tags) == 4 and None not in tags
+    assert program_cache.cache_key_tag({}, PIPELINE[:-1]) != program_cache.cache_key_tag({}, PIPELINE)
+    assert fx_fastprefill.backend()._cache_tag != fx_fastprefill.backend(prompt_len=4096)._cache_tag
+    assert fx_fastprefill.backend()._cache_tag == fx_fastprefill.backend()._cache_tag
+
+
+def test_a_pass_without_source_compiles_uncached_and_counted():
+    from examples.dense import tiny
+    unreadable = eval("lambda ctx: None")  # no source file: inspect cannot read it
+    backend = fx_fastprefill.backend(compiler="eager", passes=[*PIPELINE[:-1], unreadable, PIPELINE[-1]])
+    assert backend._cache_tag is None
+    runner = fx_fastprefill.Runner(tiny(), backend=backend, max_num_tokens=32)
+    runner.step([SeqChunk(0, list(range(1, 12)), 1)])
+    assert runner.report.cut and not runner.report.from_cache
+    assert backend.fallbacks[fallbacks.NO_PROGRAM_CACHE] == 1
+
+
+def _tp_rank(rank: int, cache_dirs: list[str]) -> dict:
+    """The hand-sharded flat model on each rank, compiled with this rank's cache folder."""
+    from examples.gemma3n import tiny
+    from examples.tp import apply_tensor_parallel
+    from torch._dynamo.utils import counters
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs[rank]
+    torch.manual_seed(0)
+    full = tiny()
+    backend = fx_fastprefill.backend(compiler="eager")
+    runner = fx_fastprefill.Runner(apply_tensor_parallel(full), backend=backend, max_num_tokens=64)
+    prompts = [[(5 * i + j) % 500 + 1 for j in range(10 + 2 * i)] for i in range(2)]
+    logits = runner.prefill(prompts)
+    expected = fx_fastprefill.Runner(full, backend="eager", max_num_tokens=64).prefill(prompts)
+    report = backend.reports[0]
+    return dict(cut=report.cut, from_cache=report.from_cache, ranks=report.ranks, reason=report.reason,
+                hits=counters["aot_autograd"]["autograd_cache_hit"],
+                err=((logits - expected).abs().max() / expected.abs().max()).item())
+
+
+def test_tensor_parallel_ranks_with_one_cache_warm_and_one_cold(tmp_path):
+    warm, cold, scratch = (str(tmp_path / name) for name in ("warm", "cold", "scratch"))
+    run_ranks(_tp_rank, 2, [warm, scratch], timeout=timedelta(seconds=300))  # fills rank 0's folder
+    per_rank = run_ranks(_tp_rank, 2, [warm, cold], timeout=timedelta(seconds=300))
+    assert per_rank[0]["from_cache"] and per_rank[0]["hits"] >= 1, per_rank[0]
+    assert not per_rank[1]["from_cache"] and per_rank[1]["hits"] == 0, per_rank[1]
+    for result in per_rank:
+        assert result["cut"], result["reason"]
+        assert len(result["ranks"]) == 2 and len(set(result["ranks"])) == 1, result["ranks"]
+        assert result["err"] <= 1e-5

@@ -227,3 +227,18 @@ def test_the_piece_split_is_a_timed_and_dumped_pass(tmp_path, monkeypatch):
     [dump] = tmp_path.glob("*_pieces.txt")
     text = dump.read_text()
     assert "# full" in text and "# reduced" in text and "piece_" in text
+
+
+@pytest.mark.parametrize("fast_prefill", [True, False])
+def test_after_capture_no_step_warms_up_with_or_without_the_pass(fast_prefill):
+    """capture() records every size a step can take: for the cut program each T and each R, for
+    the program compiled unchanged (the benchmarks' baseline, one region keyed by (T, R)) every
+    pair. No step after it runs a region without graphs."""
+    backend = FastPrefillBackend(compiler="eager", cudagraphs=True, graph_recorder=RerunRecorder(),
+                                 fast_prefill=fast_prefill)
+    runner, _ = run(backend, capture=True, token_pad_sizes=[16, 32, 64])
+    assert runner.report.cut == fast_prefill and runner.report.cudagraphs
+    warm_ups = backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP]
+    runner.step([SeqChunk(20, list(range(1, 40)), 1), SeqChunk(21, [3, 4, 5], 3)])  # (T, R) = (64, 4)
+    runner.step([SeqChunk(22, list(range(1, 9)), 8)])                                 # (16, 8)
+    assert backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP] == warm_ups, dict(backend.fallbacks)

@@ -272,16 +272,17 @@ class Runner:
     def capture(self, progress: bool = True) -> float:
         """Compile and record every padded size now rather than on the first steps that need it:
         each step size of ``token_pad_sizes`` with one logits row, then each logits size of
-        ``logits_pad_sizes`` (below the largest step size), then each whole-step graph size.
+        ``logits_pad_sizes`` (below the largest step size), then each whole-step graph size; for a
+        program compiled unchanged, every (step size, logits size) pair (:meth:`_capture_sizes`).
         Returns the seconds it took."""
         if self.backend is None:
             raise ValueError("capture() needs a compiled model (backend=...)")
         if self._requests:
             raise RuntimeError(f"capture(): requests {sorted(self._requests)} are live; capture before serving")
         steps = self.token_pad_sizes or [max(2, self.max_num_tokens)]
-        jobs = [(size, 1) for size in reversed(steps)]
-        jobs += [(pad_to_bucket(r + 1, steps), r) for r in reversed(self.logits_pad_sizes) if 1 < r < steps[-1]]
         start = time.perf_counter()
+        self._run([SeqChunk(-1, [0] * steps[-1], 1)], [steps[-1] - 1])  # compiles: the report says how it is keyed
+        jobs = self._capture_sizes(steps)
         for k, (num_tokens, num_logits) in enumerate(jobs):
             for _ in range(2):  # the first call of a new size warms up, the second records
                 self._run([SeqChunk(-1, [0] * num_tokens, num_logits)],
@@ -299,6 +300,18 @@ class Runner:
         seconds = time.perf_counter() - start
         log.info("captured %d sizes in %.1f s", len(jobs), seconds)
         return seconds
+
+    def _capture_sizes(self, steps: list[int]) -> list[tuple[int, int]]:
+        """The (T, R) sizes to record. A cut program's graphs are keyed by T (full region) and by R
+        (reduced region) apart: each T with one logits row, then each R once. A program compiled
+        unchanged (``fast_prefill=False``, or a graph not cut) has one region keyed by (T, R)
+        together: every pair a step can take (R a logits size up to T), or steps of an unrecorded
+        pair would run without graphs while serving."""
+        report = self.report
+        if report is not None and report.cudagraphs and not report.cut:
+            return [(t, r) for t in reversed(steps) for r in [r for r in self.logits_pad_sizes if r <= t] or [1]]
+        jobs = [(size, 1) for size in reversed(steps)]
+        return jobs + [(pad_to_bucket(r + 1, steps), r) for r in reversed(self.logits_pad_sizes) if 1 < r < steps[-1]]
 
     def free(self, seq_id: int) -> None:
         """Release a request's KV cache region."""

@@ -51,6 +51,17 @@ def _decompositions():
     return select_decomp_table()
 
 
+def _warm_compile_workers() -> None:
+    """Start Inductor's Triton compile workers now, while Dynamo's graph goes through AOT and the
+    passes (what the ``inductor`` backend does first; a no-op without Triton, or with
+    ``TORCH_WARM_POOL=0``)."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:
+        return
+    maybe_warm_pool()
+
+
 def _static_inputs(inputs: list[Node]) -> set[Node]:
     """The placeholders AOT marked static (parameters and buffers): same address every call."""
     from torch._guards import TracingContext
@@ -117,6 +128,8 @@ class FastPrefillBackend:
         self._cache_tag = program_cache.cache_key_tag(options, self.passes)
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
+        if self.compiler == "inductor":
+            _warm_compile_workers()
         self._input_names = [input_name(n.name) for n in placeholders(gm)]
         if needs_autograd(gm, example_inputs):
             return self._compile_for_autograd(gm, example_inputs)

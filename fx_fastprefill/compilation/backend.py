@@ -167,7 +167,7 @@ class FastPrefillBackend:
                 programs.append(self._compile_aten(aten, inputs))
             return programs[-1]
 
-        def loaded(code: ProgramCode, from_cache: bool) -> None:
+        def loaded(code: ProgramCode) -> None:
             self._adopt_loaded(code)
             programs.append(code)
 

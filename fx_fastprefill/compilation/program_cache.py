@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ..fallbacks import FallbackCounter
 from ..report.report import FastPrefillReport
 from .regions import CompiledProgram
 
@@ -47,8 +48,8 @@ except ImportError:  # a torch without the serializable compiler API: compiled u
     SerializableAOTDispatchCompiler = None
     OutputCode = object
 
-# Set by the backend while AOTAutograd runs: called with each ProgramCode compiled or loaded.
-LOADER: contextvars.ContextVar[Callable[["ProgramCode", bool], None] | None] = contextvars.ContextVar(
+# Set by the backend while AOTAutograd runs: called with each ProgramCode loaded from the cache.
+LOADER: contextvars.ContextVar[Callable[["ProgramCode"], None] | None] = contextvars.ContextVar(
     "fx_fastprefill_program_loader", default=None)
 
 
@@ -78,7 +79,9 @@ class ProgramCode(OutputCode):
             self._pickled = None
         loader = LOADER.get()
         if loader is not None:
-            loader(self, True)
+            loader(self)
+        else:  # loaded outside the backend (torch's own precompile): its fallbacks counted here only
+            self.program.bind(FallbackCounter().record)
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         """Each compiled graph inside carries its own kernels."""
@@ -133,9 +136,9 @@ def cache_key_tag(options: dict[str, Any], passes: Sequence[Callable[..., Any]])
 
 
 @contextlib.contextmanager
-def caching(tag: str, loader: Callable[[ProgramCode, bool], None]) -> Iterator[None]:
+def caching(tag: str, loader: Callable[[ProgramCode], None]) -> Iterator[None]:
     """Within: AOTAutograd bundles and serves programs keyed with ``tag`` (after any tag of the
-    user's own), and hands each compiled or loaded one to ``loader``."""
+    user's own), and hands each one it loads to ``loader``."""
     user_tag = torch.compiler.config.cache_key_tag
     token = LOADER.set(loader)
     try:

@@ -32,6 +32,7 @@ from fx_fastprefill.passes.pipeline import PIPELINE
 from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.program_cache
 
 
 def _child(cache_dir: Path, *args: str) -> dict:

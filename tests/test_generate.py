@@ -216,3 +216,22 @@ def test_one_kv_head_static_cache_on_the_gpu():
             torch.testing.assert_close(g, e, rtol=2e-3, atol=2e-3)
     assert model.fx_fastprefill.forward.kv_shapes == [(1, 8)] * 3
     assert model.fx_fastprefill.reports[0].cut
+
+
+@pytest.mark.parametrize("name", ["gemma4_no_hand_slicing", "llama"])
+def test_new_batch_sizes_and_prompt_lengths_compile_nothing_after_two_prefill_graphs(name):
+    """A first batch compiles a graph for its batch size; a second batch size, Dynamo's automatic
+    dynamic shapes make the batch dim symbolic; from then on, batches of other sizes at other prompt
+    lengths compile no new prefill graph, every one cut and equal to the uncompiled model."""
+    model = _model(name)
+    batches = [[10, 7], [14, 9, 12], [18, 11, 10, 16], [12, 15, 9, 11, 13]]
+    expected = [_generate(model, lengths, "static", seed) for seed, lengths in enumerate(batches)]
+    torch._dynamo.reset()
+    fx_fastprefill.compile_for_generate(model, compiler="eager", decode_backend="eager")
+    handle = model.fx_fastprefill
+    prefill_graphs = []
+    for seed, (lengths, want) in enumerate(zip(batches, expected)):
+        assert torch.equal(_generate(model, lengths, "static", seed), want), (seed, lengths)
+        prefill_graphs.append(handle.compiles[PREFILL])
+    assert prefill_graphs == [1, 2, 2, 2], prefill_graphs
+    assert all(r.cut for r in handle.reports), [r.reason for r in handle.reports]

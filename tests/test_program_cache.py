@@ -169,3 +169,23 @@ def test_tensor_parallel_ranks_with_one_cache_warm_and_one_cold(tmp_path):
         assert result["cut"], result["reason"]
         assert len(result["ranks"]) == 2 and len(set(result["ranks"])) == 1, result["ranks"]
         assert result["err"] <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_loaded_program_replays_real_cuda_graphs(tmp_path, monkeypatch):
+    """On CUDA with Inductor and real piecewise CUDA graphs: the program loaded from the cache (its
+    Triton kernels from the bundle) replays the logits the fresh one computed."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    runs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        backend = fx_fastprefill.backend(cudagraphs=True)
+        runner, logits = _runner_steps(backend, device="cuda", dtype=torch.bfloat16, capture=True,
+                                       token_pad_sizes=[16, 48, 64])
+        runs.append((runner.report, logits, dict(backend.fallbacks)))
+    (fresh, fresh_logits, _), (loaded, loaded_logits, fallbacks_loaded) = runs
+    assert fresh.cut and not fresh.from_cache and loaded.cut and loaded.from_cache and loaded.cudagraphs
+    assert fallbacks_loaded.get(fallbacks.CUDAGRAPH_RECORD_FAILED, 0) == 0, fallbacks_loaded
+    for a, b in zip(fresh_logits, loaded_logits):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

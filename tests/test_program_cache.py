@@ -129,6 +129,34 @@ def test_options_and_passes_change_the_key():
     assert fx_fastprefill.backend()._cache_tag == fx_fastprefill.backend()._cache_tag
 
 
+def test_passes_the_source_does_not_pin_are_not_keyed():
+    import functools
+
+    def make(threshold):
+        def pass_(ctx):
+            return threshold
+        return pass_
+
+    def plain(ctx):
+        return None
+
+    class WithUuid:
+        def __init__(self, version):
+            self.version = version
+
+        def __call__(self, ctx):
+            return None
+
+        def uuid(self):
+            return f"with-uuid-{self.version}"
+
+    for unpinned in (make(1), functools.partial(plain), WithUuid.__call__.__get__(WithUuid(1))):
+        assert program_cache.cache_key_tag({}, [*PIPELINE, unpinned]) is None, unpinned
+    assert program_cache.cache_key_tag({}, [*PIPELINE, plain]) is not None
+    one, two = (program_cache.cache_key_tag({}, [*PIPELINE, WithUuid(v)]) for v in (1, 2))
+    assert None not in (one, two) and one != two
+
+
 def test_a_pass_without_source_compiles_uncached_and_counted():
     from examples.dense import tiny
     unreadable = eval("lambda ctx: None")  # no source file: inspect cannot read it

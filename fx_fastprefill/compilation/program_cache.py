@@ -12,8 +12,9 @@ data), the report, and the plan the ranks of a tensor-parallel graph compare. On
 
 AOTAutograd's key covers the Dynamo graph, its inputs and torch's and Inductor's configs, not the
 compiler: :func:`cache_key_tag` adds this package's version and sources, the backend's options and
-its pass list (each pass by name and source), so a changed source or option is a new key (a miss,
-never a stale program).
+its pass list (each pass by name and source, or its ``uuid()``), so a changed source or option is a
+new key (a miss, never a stale program). A pass whose behaviour its source does not pin (a closure,
+a partial, an object without ``uuid()``) makes the backend uncached.
 
 Private torch APIs, written against torch 2.11 and 2.13; where one is missing the backend compiles
 uncached (``fallbacks.NO_PROGRAM_CACHE``, logged).
@@ -116,12 +117,18 @@ def digest_sources(roots: Sequence[Path]) -> str:
 
 
 def _pass_identity(pass_: Callable[..., Any]) -> str | None:
-    """A pass by qualified name and source; None where its source cannot be read (not keyable)."""
+    """A pass by qualified name and source, or by its own ``uuid()`` (Inductor's custom-pass
+    convention); None where neither says all it does: no readable source, or state the source does
+    not show (a closure, a partial, a callable object without ``uuid``)."""
+    name = f"{getattr(pass_, '__module__', '?')}.{getattr(pass_, '__qualname__', type(pass_).__qualname__)}"
+    if callable(getattr(pass_, "uuid", None)):
+        return f"{name}:uuid:{pass_.uuid()}"
+    if not inspect.isfunction(pass_) or pass_.__closure__ or pass_.__defaults__ or pass_.__kwdefaults__:
+        return None
     try:
-        source = inspect.getsource(pass_ if inspect.isroutine(pass_) or inspect.isclass(pass_) else type(pass_))
+        source = inspect.getsource(pass_)
     except (OSError, TypeError):
         return None
-    name = f"{getattr(pass_, '__module__', '?')}.{getattr(pass_, '__qualname__', type(pass_).__qualname__)}"
     return name + ":" + hashlib.sha256(source.encode()).hexdigest()
 
 

@@ -29,7 +29,6 @@ import functools
 import hashlib
 import importlib.metadata
 import inspect
-import logging
 import pickle
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -39,8 +38,6 @@ import torch
 from ..fallbacks import FallbackCounter
 from ..report.report import FastPrefillReport
 from .regions import CompiledProgram
-
-log = logging.getLogger("fx_fastprefill")
 
 try:
     from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler

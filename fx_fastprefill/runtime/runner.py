@@ -281,12 +281,12 @@ class Runner:
             raise RuntimeError(f"capture(): requests {sorted(self._requests)} are live; capture before serving")
         steps = self.token_pad_sizes or [max(2, self.max_num_tokens)]
         start = time.perf_counter()
-        self._run([SeqChunk(-1, [0] * steps[-1], 1)], [steps[-1] - 1])  # compiles: the report says how it is keyed
-        jobs = self._capture_sizes(steps)
+        first = (steps[-1], 1)
+        self._record_size(*first)  # compiles the graph: its report says how the program is keyed
+        jobs = [first] + [job for job in self._capture_sizes(steps) if job != first]
         for k, (num_tokens, num_logits) in enumerate(jobs):
-            for _ in range(2):  # the first call of a new size warms up, the second records
-                self._run([SeqChunk(-1, [0] * num_tokens, num_logits)],
-                          list(range(num_tokens - num_logits, num_tokens)))
+            if k:
+                self._record_size(num_tokens, num_logits)
             if progress:
                 sys.stderr.write(f"\rcapturing: {k + 1}/{len(jobs)} sizes (T={num_tokens}, R={num_logits})   ")
                 sys.stderr.flush()
@@ -300,6 +300,10 @@ class Runner:
         seconds = time.perf_counter() - start
         log.info("captured %d sizes in %.1f s", len(jobs), seconds)
         return seconds
+
+    def _record_size(self, num_tokens: int, num_logits: int) -> None:
+        for _ in range(2):  # the first call of a new size warms up, the second records
+            self._run([SeqChunk(-1, [0] * num_tokens, num_logits)], list(range(num_tokens - num_logits, num_tokens)))
 
     def _capture_sizes(self, steps: list[int]) -> list[tuple[int, int]]:
         """The (T, R) sizes to record. A cut program's graphs are keyed by T (full region) and by R

@@ -11,8 +11,9 @@ the clock starts (weights in memory); what is timed is what a user waits for aft
   (``fx_fastprefill.compile_for_generate``).
 - ``runner`` models (the flat example at Gemma E2B shapes, as ``benchmarks/prefill.py`` builds
   them): ``Runner(...)``, ``capture()`` (with CUDA graphs, on CUDA) and one prefill step. Variants:
-  ``plain`` (``fx_fastprefill.backend(fast_prefill=False)``: the same regions and graphs without
-  the cut) and ``ffp``.
+  ``inductor`` (``backend="inductor"``, no graphs to capture: Inductor's first compile of the same
+  model, the issue's baseline), ``plain`` (``fx_fastprefill.backend(fast_prefill=False)``: the same
+  regions and graphs without the cut) and ``ffp``.
 
 Records ``{model, device, variant, phase, first_output_s, compile_s, capture_s}`` (``compile_s``:
 Dynamo's own compile time, every graph; ``capture_s``: the Runner's capture) plus the cache
@@ -36,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATE_VARIANTS = ("plain_dynamic", "plain_static", "ffp")
-RUNNER_VARIANTS = ("plain", "ffp")
+RUNNER_VARIANTS = ("inductor", "plain", "ffp")
 SMOKE_MODELS = ("gemma4-tiny", "runner-tiny")
 
 
@@ -94,14 +95,19 @@ def _first_step(args) -> dict:
         model = Gemma3nLike(cfg).to(dtype)
     batch, seq = (int(x) for x in args.shape.split("x"))
     start = time.perf_counter()
-    backend = fx_fastprefill.backend(fast_prefill=args.variant == "ffp", cudagraphs=args.device == "cuda")
+    graphs = args.device == "cuda" and args.variant != "inductor"
+    backend = "inductor" if args.variant == "inductor" else \
+        fx_fastprefill.backend(fast_prefill=args.variant == "ffp", cudagraphs=graphs)
     runner = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=batch * seq, max_model_len=seq + 16,
                                    max_num_seqs=batch, device=args.device, dtype=dtype)
-    capture_s = runner.capture(progress=False) if args.device == "cuda" else 0.0
+    capture_s = runner.capture(progress=False) if graphs else 0.0
     runner.prefill([[3 + (i * 7 + j) % (cfg.vocab_size - 3) for j in range(seq)] for i in range(batch)])
     if args.device == "cuda":
         torch.cuda.synchronize()
-    return {"first_output_s": time.perf_counter() - start, "capture_s": capture_s, "cut": runner.report.cut}
+    record = {"first_output_s": time.perf_counter() - start, "capture_s": capture_s}
+    if runner.report is not None:
+        record["cut"] = runner.report.cut
+    return record
 
 
 def child(args) -> dict:
@@ -119,6 +125,7 @@ def main() -> None:
     parser.add_argument("--models", default="gemma4-e2b,gemma3n-e2b,runner-gemma3n-e2b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shape", default=None, help="BxT (default 1x8192; 1x64 with --smoke)")
+    parser.add_argument("--variants", default=None, help="a subset, comma-separated (default: all of a model's)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny models: a check of the script")
     parser.add_argument("--out")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -133,7 +140,8 @@ def main() -> None:
     shape = args.shape or ("1x64" if args.smoke else "1x8192")
     records = []
     for model in args.models.split(","):
-        for variant in RUNNER_VARIANTS if model.startswith("runner-") else GENERATE_VARIANTS:
+        variants = RUNNER_VARIANTS if model.startswith("runner-") else GENERATE_VARIANTS
+        for variant in [v for v in variants if args.variants is None or v in args.variants.split(",")]:
             with tempfile.TemporaryDirectory() as cache_dir:
                 for phase in ("cold", "warm"):
                     env = dict(os.environ, PYTHONHASHSEED="0", TORCHINDUCTOR_CACHE_DIR=cache_dir,

@@ -27,6 +27,14 @@ RANKS_DISAGREE = "the ranks did not agree on one cut: compiled unchanged"
 # this torch lacks the API, or a pass of the pipeline has no readable source to key it by.
 NO_PROGRAM_CACHE = ("the compiled program cannot be cached (torch API missing, or a pass without source): "
                     "compiled uncached")
+# Compile-time, compile_for_generate(precompile=...): a path saved and loaded whole
+# (compilation/precompiled.py).
+PRECOMPILE_UNAVAILABLE = ("precompiling asked for, but this torch has no aot_compile or the backend's program cannot "
+                          "be keyed: the path compiles through torch.compile")
+PRECOMPILE_FAILED = ("precompiling a path failed (a graph break, or its compile could not be saved): it compiles "
+                     "through torch.compile from now on")
+PRECOMPILED_LOAD_FAILED = "a saved precompiled function could not be loaded: skipped"
+PRECOMPILED_GUARD_MISS = "no saved precompiled function's guards pass for this call: another one is compiled and saved"
 # Compile-time: piecewise CUDA graphs were asked for but cannot be used for this graph.
 CUDAGRAPHS_NOT_CUDA = "CUDA graphs asked for, but the graph's inputs are not on a CUDA device: compiled without them"
 # Run-time, per region call with piecewise CUDA graphs.

@@ -125,8 +125,8 @@ def test_options_and_passes_change_the_key():
             for c in ("eager", "inductor") for n in (True, False)}
     assert len(tags) == 4 and None not in tags
     assert program_cache.cache_key_tag({}, PIPELINE[:-1]) != program_cache.cache_key_tag({}, PIPELINE)
-    assert fx_fastprefill.backend()._cache_tag != fx_fastprefill.backend(prompt_len=4096)._cache_tag
-    assert fx_fastprefill.backend()._cache_tag == fx_fastprefill.backend()._cache_tag
+    assert fx_fastprefill.backend().cache_tag != fx_fastprefill.backend(prompt_len=4096).cache_tag
+    assert fx_fastprefill.backend().cache_tag == fx_fastprefill.backend().cache_tag
 
 
 def test_passes_the_source_does_not_pin_are_not_keyed():
@@ -161,7 +161,7 @@ def test_a_pass_without_source_compiles_uncached_and_counted():
     from examples.dense import tiny
     unreadable = eval("lambda ctx: None")  # no source file: inspect cannot read it
     backend = fx_fastprefill.backend(compiler="eager", passes=[*PIPELINE[:-1], unreadable, PIPELINE[-1]])
-    assert backend._cache_tag is None
+    assert backend.cache_tag is None
     runner = fx_fastprefill.Runner(tiny(), backend=backend, max_num_tokens=32)
     runner.step([SeqChunk(0, list(range(1, 12)), 1)])
     assert runner.report.cut and not runner.report.from_cache

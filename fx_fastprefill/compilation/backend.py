@@ -125,7 +125,8 @@ class FastPrefillBackend:
         self._declined_by_ranks = ""  # set while the ranks' disagreement recompiles a graph unchanged
         options = {**dataclasses.asdict(self.options), "compiler": compiler, "cudagraphs": cudagraphs,
                    "recorder": type(graph_recorder).__qualname__}
-        self._cache_tag = program_cache.cache_key_tag(options, self.passes)
+        # What keys this backend's programs in a cache (program_cache.py); None: not cacheable.
+        self.cache_tag = program_cache.cache_key_tag(options, self.passes)
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
         if self.compiler == "inductor":
@@ -168,23 +169,23 @@ class FastPrefillBackend:
             return programs[-1]
 
         def loaded(code: ProgramCode) -> None:
-            self._adopt_loaded(code)
+            self.adopt_loaded(code)
             programs.append(code)
 
         compiler = program_cache.serializable(compile_program)
         if os.environ.get(DUMP_ENV):
             compiler = None  # dumping the passes' graphs: they must run, not be served from the cache
-        elif compiler is None or self._cache_tag is None:
+        elif compiler is None or self.cache_tag is None:
             compiler = None
             self.fallbacks.record(fallback_reasons.NO_PROGRAM_CACHE)
-        caching = program_cache.caching(self._cache_tag, loaded) if compiler else contextlib.nullcontext()
+        caching = program_cache.caching(self.cache_tag, loaded) if compiler else contextlib.nullcontext()
         compiler = compiler or compile_program
         with caching:
             compiled = aot_module_simplified(gm, example_inputs, fw_compiler=compiler, inference_compiler=compiler,
                                              decompositions=_decompositions())
         return compiled, (programs[-1] if programs else None)
 
-    def _adopt_loaded(self, code: ProgramCode) -> None:
+    def adopt_loaded(self, code: ProgramCode) -> None:
         """A program from the cache joins this backend: its report, its compile-time fallbacks counted
         again, its run-time ones counted here from now on."""
         report = code.report

@@ -140,14 +140,21 @@ def cache_key_tag(options: dict[str, Any], passes: Sequence[Callable[..., Any]])
 
 
 @contextlib.contextmanager
+def loading(loader: Callable[[ProgramCode], None] | None) -> Iterator[None]:
+    """Within: each program loaded (from AOTAutograd's cache, or with a precompiled function) is
+    handed to ``loader``."""
+    token = LOADER.set(loader)
+    try:
+        yield
+    finally:
+        LOADER.reset(token)
+
+
+@contextlib.contextmanager
 def caching(tag: str, loader: Callable[[ProgramCode], None]) -> Iterator[None]:
     """Within: AOTAutograd bundles and serves programs keyed with ``tag`` (after any tag of the
     user's own), and hands each one it loads to ``loader``."""
     user_tag = torch.compiler.config.cache_key_tag
-    token = LOADER.set(loader)
-    try:
-        with torch._functorch.config.patch(bundled_autograd_cache=True), \
-                torch.compiler.config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag):
-            yield
-    finally:
-        LOADER.reset(token)
+    with loading(loader), torch._functorch.config.patch(bundled_autograd_cache=True), \
+            torch.compiler.config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag):
+        yield

@@ -22,18 +22,22 @@ compiled paths; given a ``torch.compile`` wrapper it unwraps it, with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import logging
+import os
 from collections import Counter
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..compilation.backend import FastPrefillBackend
 from ..compilation.backend import backend as make_backend
+from ..compilation import precompiled
 
 log = logging.getLogger("fx_fastprefill")
 
@@ -93,6 +97,51 @@ def mark_prompt_dynamic(args: tuple, kwargs: dict) -> None:
                 mark(tensor, 2)
 
 
+def _marked_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors of a prefill call whose dims the marks below make dynamic."""
+    masks = kwargs.get("attention_mask")
+    tensors = [_input_ids(args, kwargs), kwargs.get("position_ids"), kwargs.get("inputs_embeds"),
+               *(masks.values() if isinstance(masks, dict) else [masks])]
+    for layer in getattr(_cache(kwargs), "layers", []):
+        tensors += [getattr(layer, "keys", None), getattr(layer, "values", None)]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def mark_batch_dynamic(args: tuple, kwargs: dict) -> None:
+    """Mark the batch dims of a prefill call's inputs dynamic too: what Dynamo's automatic dynamic
+    does for a second graph, done before a second precompiled one (a batch of 1 stays specialized)."""
+    for tensor in _marked_tensors(args, kwargs):
+        if tensor.dim() >= 2:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
+DIM_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
+             "_dynamo_strict_unbacked_indices", "_dynamo_static_indices", "_has_dynamo_dim_marking")
+
+
+def clear_dim_marks(args: tuple, kwargs: dict) -> None:
+    """Take Dynamo's dim marks off a call's tensors. A precompiled function's guards, loaded from a
+    file, expect unmarked tensors (torch saves the compile-time tensors without their marks), so the
+    precompiled paths mark only while compiling and clear the marks before every guard check."""
+    for tensor in _marked_tensors(args, kwargs):
+        for mark in DIM_MARKS:
+            tensor.__dict__.pop(mark, None)
+
+
+@contextlib.contextmanager
+def _prefill_marks(args: tuple, kwargs: dict, functions: int, prompt_dynamic: bool) -> Iterator[None]:
+    """While a precompiled prefill compiles: the prompt dims dynamic, the batch dims too after the
+    first function (an automatic-dynamic second graph)."""
+    if prompt_dynamic:
+        mark_prompt_dynamic(args, kwargs)
+        if functions:
+            mark_batch_dynamic(args, kwargs)
+    try:
+        yield
+    finally:
+        clear_dim_marks(args, kwargs)
+
+
 def _is_static_cache(cache: Any) -> bool:
     """A cache of fixed-size tensors updated in place (transformers' StaticCache and kin)."""
     from transformers import DynamicCache
@@ -104,7 +153,7 @@ class GenerateForward:
     decode path, counted (calls, and graphs compiled during them)."""
 
     def __init__(self, model: nn.Module, backend: FastPrefillBackend, decode_backend: str | Callable,
-                 decode_dynamic: bool | None):
+                 decode_dynamic: bool | None, precompile_folder: Path | None = None):
         self.model = model
         self.original = model.forward  # the class's forward, bound
         functools.update_wrapper(self, self.original)  # transformers reads forward's signature
@@ -113,6 +162,9 @@ class GenerateForward:
         mode = "reduce-overhead" if decode_backend == "inductor" and on_cuda else None
         self.decode_mode = mode
         self.static_decode = torch.compile(self.original, backend=decode_backend, mode=mode, dynamic=decode_dynamic)
+        self.precompiled: dict[str, precompiled.PrecompiledFunction] = {}
+        if precompile_folder is not None:
+            self._precompile(Path(precompile_folder), backend, decode_backend, decode_dynamic)
         self.prompt_dynamic = True  # mark prompt-length dims dynamic before a prefill call
         self.kv_shapes: list[tuple[int, int]] | None = None  # per static cache layer, probed once
         self.calls: Counter[str] = Counter()
@@ -127,13 +179,39 @@ class GenerateForward:
             path, run = PREFILL, self.prefill
             if static:
                 self._initialize(cache, args, kwargs)
-            if self.prompt_dynamic:
+            if self.prompt_dynamic and PREFILL not in self.precompiled:  # precompiled: marked while compiling
                 mark_prompt_dynamic(args, kwargs)
         before = _graphs_compiled()
         out = run(*args, **kwargs)
         self.calls[path] += 1
         self.compiles[path] += _graphs_compiled() - before
         return out
+
+    def _precompile(self, folder: Path, backend: FastPrefillBackend, decode_backend: str | Callable,
+                    decode_dynamic: bool | None) -> None:
+        """Both paths through functions saved in ``folder`` (compilation/precompiled.py), each with
+        its ``torch.compile`` path as the fallback."""
+        compiled_prefill = self.prefill
+
+        def prefill_fallback(*args: Any, **kwargs: Any) -> Any:
+            if self.prompt_dynamic:
+                mark_prompt_dynamic(args, kwargs)
+            return compiled_prefill(*args, **kwargs)
+
+        def prefill_marks(args: tuple, kwargs: dict, functions: int) -> contextlib.AbstractContextManager:
+            return _prefill_marks(args, kwargs, functions, self.prompt_dynamic)
+
+        common = dict(folder=folder, record_fallback=backend.fallbacks.record, hidden=("forward", "generate"),
+                      prepare=clear_dim_marks)
+        self.prefill = self.precompiled[PREFILL] = precompiled.PrecompiledFunction(
+            self.original, name="prefill", options_key=str(backend.cache_tag), compile_options={"backend": backend},
+            fallback=prefill_fallback, compile_context=prefill_marks, loader=backend.adopt_loaded,
+            keyable=backend.cache_tag is not None, **common)
+        options = torch._inductor.list_mode_options(self.decode_mode, decode_dynamic) if self.decode_mode else {}
+        self.static_decode = self.precompiled[DECODE] = precompiled.PrecompiledFunction(
+            self.original, name="decode", options_key=repr((decode_backend, decode_dynamic, sorted(options.items()))),
+            compile_options={"backend": decode_backend, "dynamic": decode_dynamic, "options": options},
+            fallback=self.static_decode, keyable=isinstance(decode_backend, str), **common)
 
     def _initialize(self, cache: Any, args: tuple, kwargs: dict) -> None:
         """Allocate a static cache's tensors before the compiled prefill: allocated inside it (as
@@ -227,6 +305,10 @@ class GenerateCompilation:
         lines += [f"  cut: {len(r.reduced_layers)} layers on the logits rows ({r.flops_removed_fraction:.0%} of "
                   f"prefill FLOPs removed)" for r in cut]
         lines += [f"  unchanged: {r.reason}" for r in self.reports if not r.cut]
+        for path, function in self.forward.precompiled.items():
+            state = f"compiles through torch.compile ({function.failed})" if function.failed else \
+                f"{function.loaded} loaded, {function.compiled} compiled and saved"
+            lines.append(f"precompiled {path}: {state}")
         return "\n".join(lines)
 
 
@@ -241,7 +323,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def compile_for_generate(model: nn.Module, *, backend: FastPrefillBackend | None = None,
                          cache_implementation: str | None = "static", decode_backend: str | Callable = "inductor",
-                         decode_dynamic: bool | None = True, **options: Any) -> nn.Module:
+                         decode_dynamic: bool | None = True, precompile: bool | str | os.PathLike = False,
+                         **options: Any) -> nn.Module:
     """Compile a transformers causal LM so that its own ``model.generate(...)`` runs the prefill cut
     by the pass and the decode steps compiled; returns the model (patched in place; undo with
     :func:`restore`).
@@ -255,6 +338,11 @@ def compile_for_generate(model: nn.Module, *, backend: FastPrefillBackend | None
     (``"inductor"``: with ``mode="reduce-overhead"`` on CUDA).
     ``decode_dynamic``: their ``dynamic`` (True: one graph for every cache length, so a longer
     prompt, which makes transformers allocate a longer static cache, does not recompile).
+    ``precompile``: save the compiled prefill and decode whole (Dynamo's trace included) and load
+    them in the next process, which then starts without tracing or compiling
+    (compilation/precompiled.py): True for a folder in Inductor's cache folder, or a folder of
+    your own. Off by default: a saved function checks fewer of Dynamo's guards (the model's
+    class, config and parameter shapes are checked through the file's key instead).
     """
     model = _unwrap(model)
     if not isinstance(model, nn.Module) or not callable(getattr(model, "generate", None)):
@@ -269,6 +357,8 @@ def compile_for_generate(model: nn.Module, *, backend: FastPrefillBackend | None
         raise TypeError(f"options {sorted(options)} configure a new backend; with backend= given, set them on it")
     elif not isinstance(backend, FastPrefillBackend):
         raise TypeError(f"backend must be a FastPrefillBackend (fx_fastprefill.backend(...)), got {backend!r}")
+    if not isinstance(precompile, (bool, str, os.PathLike)):
+        raise TypeError(f"precompile must be a bool or a folder, got {precompile!r}")
     if cache_implementation not in (None, "static", "dynamic"):
         raise ValueError(f"cache_implementation must be 'static', 'dynamic' or None, got {cache_implementation!r}")
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
@@ -278,7 +368,8 @@ def compile_for_generate(model: nn.Module, *, backend: FastPrefillBackend | None
     saved = {"disable_compile": getattr(config, "disable_compile", None)}
     # transformers would otherwise compile __call__ itself for a static cache, around this forward.
     config.disable_compile = True
-    forward = GenerateForward(model, backend, decode_backend, decode_dynamic)
+    folder = precompiled.default_folder() if precompile is True else (Path(precompile) if precompile else None)
+    forward = GenerateForward(model, backend, decode_backend, decode_dynamic, folder)
     model.forward = forward
     model.generate = GenerateWithCache(model.generate, cache_implementation)
     setattr(model, HANDLE, GenerateCompilation(forward, backend, saved))

@@ -1,0 +1,280 @@
+"""A compiled path saved whole and loaded by the next process: a warm start skips Dynamo too.
+
+``torch.compile(fn, fullgraph=True).aot_compile(example)`` traces and compiles once and returns a
+function with Dynamo's guards; it serializes to bytes (its bytecode, guards and compiled program:
+for this package's backend the :class:`~.program_cache.ProgramCode`), and
+``torch.compiler.load_compiled_function`` reads it back without tracing. :class:`PrecompiledFunction`
+keeps such functions for one path of a model (the prefill of ``compile_for_generate``, say) in a
+folder: a call runs the first whose guards pass; when none passes, one is compiled and saved
+(counted as a guard miss, logged with the failed guard).
+
+Guards that cannot be saved are dropped when compiling (:func:`serializable_guards`): identities of
+objects (which function an activation calls, which module object is which) and globals. What they
+pinned is in the file's key instead (:func:`model_key`): the model's class, config and parameter
+shapes, the package's sources, the compile's options, torch and Python. The kept guards (tensor
+shapes, dtypes and devices, config values the trace read, grad mode) are checked on every call.
+Parameters are inputs read from the model at each call, so a loaded function runs the weights the
+model has now.
+
+Private torch APIs (written against torch 2.11 and 2.13); where one is missing or a compile cannot
+be saved (a graph break, an object that does not pickle), the path compiles through
+``torch.compile`` as without precompiling (counted, logged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import io
+import logging
+import os
+import pickle
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .. import fallbacks
+from . import program_cache
+
+log = logging.getLogger("fx_fastprefill")
+
+FORMAT = 1
+MAX_FUNCTIONS = 8  # per path, like Dynamo's recompile limit: past it, the path compiles as usual
+
+
+def available() -> bool:
+    """This torch can compile ahead of time, save and load."""
+    return hasattr(torch.compiler, "load_compiled_function") and \
+        importlib.util.find_spec("torch._dynamo.aot_compile") is not None
+
+
+def default_folder() -> Path:
+    """Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR`` or its default) / fx_fastprefill / precompiled."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return Path(cache_dir()) / "fx_fastprefill" / "precompiled"
+
+
+def serializable_guards(closure: tuple[str, ...] = ()) -> Callable[[list[Any]], list[bool]]:
+    """Dynamo's guard filter: keep every guard a saved function can check in another process (not
+    object identities, not globals, not the traced function's closure, which is handed in again
+    on load). What the dropped ones pinned is in :func:`model_key`."""
+    from torch._dynamo.guards import CheckFunctionManager
+    unsupported = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    closure_names = set(closure)
+    prefixes = tuple(name + sep for name in closure for sep in ".[")
+
+    def keep(entries: list[Any]) -> list[bool]:
+        return [not (e.is_global or e.guard_type in unsupported or unsupported & set(e.derived_guard_types or ())
+                     or e.name in closure_names or (prefixes and e.name.startswith(prefixes))) for e in entries]
+    return keep
+
+
+def model_key(model: torch.nn.Module, options: str) -> str:
+    """What a saved function was compiled for: the model's class (and the version of the package
+    that defines it), config, parameter and buffer shapes, dtypes and devices, this package's
+    sources, ``options``, torch and Python."""
+    config = getattr(model, "config", None)
+    config_text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
+    tensors = [(name, tuple(t.shape), str(t.dtype), t.device.type)
+               for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    defining_package = sys.modules.get(type(model).__module__.split(".")[0])
+    text = "\n".join([f"{type(model).__module__}.{type(model).__qualname__}",
+                      str(getattr(defining_package, "__version__", None)), config_text, repr(tensors),
+                      program_cache.package_digest(), options, torch.__version__, sys.version])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _traced_function(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The function Dynamo traces for ``method`` (a bound method: its function)."""
+    return getattr(method, "__func__", method)
+
+
+def _closure_data(method: Callable[..., Any]) -> dict[str, object]:
+    """The traced function's closure (a decorator's wrapped function): given to the saved function
+    by reference, not pickled, and looked up again from the model's class on load."""
+    fn = _traced_function(method)
+    return {f"closure.{name}": cell.cell_contents
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
+
+
+def _global_references(compiled: Any, f_globals: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Globals the saved bytecode reads that torch does not save itself (modules and functions
+    Dynamo installed under generated names): each by how to import it again. Raises ValueError for
+    one that cannot be imported by name."""
+    import builtins
+    env = compiled._artifacts.runtime_env
+    known = set(env.import_sources) | set(env.used_globals) | {compiled._artifacts.backend_id}
+    references = {}
+    for name in sorted(env.external_refs - known):
+        if hasattr(builtins, name) or name not in f_globals:
+            continue
+        value = f_globals[name]
+        if isinstance(value, type(sys)):
+            references[name] = ("module", value.__name__)
+            continue
+        module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+        if module and qualname and "<locals>" not in qualname and _resolve(("attr", module, qualname)) is value:
+            references[name] = ("attr", module, qualname)
+        else:
+            raise ValueError(f"the compiled code reads the global {name!r} ({type(value).__name__}), "
+                             f"which cannot be imported by name")
+    return references
+
+
+def _resolve(reference: tuple[str, ...]) -> Any:
+    if reference[0] == "module":
+        return importlib.import_module(reference[1])
+    value: Any = importlib.import_module(reference[1])
+    for part in reference[2].split("."):
+        value = getattr(value, part)
+    return value
+
+
+@contextlib.contextmanager
+def _without(model: torch.nn.Module, names: tuple[str, ...]) -> Iterator[None]:
+    saved = {name: model.__dict__.pop(name) for name in names if name in model.__dict__}
+    try:
+        yield
+    finally:
+        model.__dict__.update(saved)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, prefix=path.name + ".") as f:
+        f.write(data)
+        temp = f.name
+    os.replace(temp, path)
+
+
+class PrecompiledFunction:
+    """One compiled path of a model, through functions saved in ``folder``: each call runs the first
+    loaded or compiled function whose guards pass, else compiles (and saves) a new one.
+
+    ``method``: the model's bound forward. ``compile_options``: ``torch.compile``'s (``backend``,
+    ``dynamic``, Inductor ``options``). ``fallback``: the same path under plain ``torch.compile``,
+    run where precompiling is not possible. ``prepare(args, kwargs)``: run before the guard checks
+    of a call (clears what the guards must not see). ``compile_context(args, kwargs,
+    functions_so_far)``: entered around a compile (marks inputs dynamic). ``loader``: given each
+    program of this package's backend loaded with a function (the backend's reports and counters
+    adopt it). ``keyable``: False where
+    the compile's options cannot be keyed (a backend without a cache tag): the path falls back.
+    ``hidden``: attributes of the model's instance set by the caller (wrappers of its ``forward``)
+    taken off it while compiling: Dynamo saves the model's instance state with the guards, and
+    these hold the compiler's own objects."""
+
+    def __init__(self, method: Callable[..., Any], *, name: str, folder: Path, options_key: str,
+                 compile_options: dict[str, Any], fallback: Callable[..., Any],
+                 record_fallback: Callable[[str], None], prepare: Callable[[tuple, dict], None] | None = None,
+                 compile_context: Callable[[tuple, dict, int], contextlib.AbstractContextManager] | None = None,
+                 loader: Callable[[Any], None] | None = None, keyable: bool = True, hidden: tuple[str, ...] = ()):
+        self.model = method.__self__
+        self.method = method
+        self.name = name
+        self.folder = Path(folder)
+        self.compile_options = compile_options
+        self.fallback = fallback
+        self.record_fallback = record_fallback
+        self.prepare = prepare
+        self.compile_context = compile_context
+        self.loader = loader
+        self.hidden = hidden
+        self.functions: list[Any] = []
+        self.loaded = self.compiled = 0
+        self.failed: str | None = None  # why this path runs ``fallback`` from now on
+        self.key = model_key(self.model, options_key)
+        if not available():
+            self._give_up(fallbacks.PRECOMPILE_UNAVAILABLE, f"torch {torch.__version__} has no aot_compile")
+        elif not keyable:
+            self._give_up(fallbacks.PRECOMPILE_UNAVAILABLE, "the compile's backend cannot be keyed")
+        else:
+            self._load()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.failed:
+            return self.fallback(*args, **kwargs)
+        if self.prepare is not None:
+            self.prepare(args, kwargs)
+        for function in self.functions:
+            if function.guard_check(self.model, *args, **kwargs):
+                return function(self.model, *args, **kwargs)
+        if self.functions:
+            self.record_fallback(fallbacks.PRECOMPILED_GUARD_MISS)
+            log.info("precompiled %s: no saved function's guards pass (%s); compiling another",
+                     self.name, self._miss_reason(args, kwargs))
+        if len(self.functions) >= MAX_FUNCTIONS:
+            self._give_up(fallbacks.PRECOMPILE_FAILED, f"more than {MAX_FUNCTIONS} functions")
+            return self.fallback(*args, **kwargs)
+        function = self._compile(args, kwargs)
+        if function is None:
+            return self.fallback(*args, **kwargs)
+        return function(self.model, *args, **kwargs)
+
+    def _new_path(self) -> Path:
+        return self.folder / f"{self.name}-{self.key}-{uuid.uuid4().hex[:12]}.bin"
+
+    def _load(self) -> None:
+        for path in sorted(self.folder.glob(f"{self.name}-{self.key}-*.bin"), key=lambda p: p.stat().st_mtime):
+            try:
+                saved = pickle.loads(path.read_bytes())
+                if saved.get("format") != FORMAT:
+                    raise ValueError(f"format {saved.get('format')}, not {FORMAT}")
+                f_globals = dict(_traced_function(self.method).__globals__)
+                f_globals.update({name: _resolve(ref) for name, ref in saved["globals"].items()})
+                with program_cache.loading(self.loader):
+                    function = torch.compiler.load_compiled_function(
+                        io.BytesIO(saved["function"]), f_globals=f_globals, external_data=_closure_data(self.method))
+            except Exception as e:  # noqa: BLE001 - a file that does not load is skipped: counted, logged
+                self.record_fallback(fallbacks.PRECOMPILED_LOAD_FAILED)
+                log.warning("precompiled %s: %s not loaded (%s: %s)", self.name, path, type(e).__name__, e)
+                continue
+            function.disable_guard_check()  # checked by __call__ before each call
+            self.functions.append(function)
+            self.loaded += 1
+        if self.loaded:
+            log.info("precompiled %s: loaded %d function(s) from %s", self.name, self.loaded, self.folder)
+
+    def _compile(self, args: tuple, kwargs: dict) -> Any:
+        """aot_compile for these inputs and save; None (and the path falls back for good) on failure."""
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+        context = self.compile_context(args, kwargs, len(self.functions)) if self.compile_context \
+            else contextlib.nullcontext()
+        options = {**self.compile_options, "options": {**self.compile_options.get("options", {}),
+                                                        "guard_filter_fn": serializable_guards(
+            _traced_function(self.method).__code__.co_freevars)}}
+        try:
+            # Float scalars specialized up front: aot_compile cannot restart the trace, as Dynamo does
+            # when it finds a float it cannot turn into a tensor under dynamic=True.
+            with context, torch._dynamo.config.patch(specialize_float=True), _without(self.model, self.hidden):
+                function = torch.compile(self.method, fullgraph=True, **options).aot_compile((args, kwargs))
+            f_globals = _traced_function(self.method).__globals__
+            data = AOTCompiledFunction.serialize(function, _closure_data(self.method)).serialized_data
+            saved = {"format": FORMAT, "globals": _global_references(function, f_globals), "function": data}
+            _write_atomically(self._new_path(), pickle.dumps(saved))
+        except Exception as e:  # noqa: BLE001 - the path compiles as without precompiling: counted, logged
+            log.debug("precompiling %s failed", self.name, exc_info=True)
+            self._give_up(fallbacks.PRECOMPILE_FAILED, f"{type(e).__name__}: {e}")
+            return None
+        function.disable_guard_check()
+        self.functions.append(function)
+        self.compiled += 1
+        return function
+
+    def _miss_reason(self, args: tuple, kwargs: dict) -> str:
+        try:
+            function = self.functions[0]
+            return str(function._artifacts.guard_manager.check_verbose(function.prepare_f_locals(
+                self.model, *args, **kwargs)).verbose_code_parts)
+        except Exception:  # noqa: BLE001 - only for the log line
+            return "reason unknown"
+
+    def _give_up(self, reason: str, detail: str) -> None:
+        self.failed = detail
+        self.record_fallback(reason)
+        log.warning("precompiled %s: %s; it compiles through torch.compile (%s)", self.name, detail, reason)

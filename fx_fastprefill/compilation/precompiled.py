@@ -24,15 +24,18 @@ be saved (a graph break, an object that does not pickle), the path compiles thro
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import io
 import logging
 import os
 import pickle
 import sys
 import tempfile
+import types
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -75,19 +78,45 @@ def serializable_guards(closure: tuple[str, ...] = ()) -> Callable[[list[Any]], 
     return keep
 
 
-def model_key(model: torch.nn.Module, options: str) -> str:
+def model_key(model: torch.nn.Module, options: str, hidden: tuple[str, ...] = ()) -> str:
     """What a saved function was compiled for: the model's class (and the version of the package
-    that defines it), config, parameter and buffer shapes, dtypes and devices, this package's
-    sources, ``options``, torch and Python."""
+    that defines it), config, parameter and buffer shapes, dtypes and devices, the functions set
+    on its modules' instances (a patched method, an activation's partial: their identity guards are
+    not saved), this package's sources, ``options``, torch and Python. ``hidden``: attributes of
+    the model's own instance left out (the caller's wrappers)."""
     config = getattr(model, "config", None)
     config_text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
     tensors = [(name, tuple(t.shape), str(t.dtype), t.device.type)
                for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    functions = [(path, attribute, _describe(value))
+                 for path, module in model.named_modules() for attribute, value in vars(module).items()
+                 if callable(value) and not isinstance(value, (torch.nn.Module, type))
+                 and not (module is model and attribute in hidden)]
     defining_package = sys.modules.get(type(model).__module__.split(".")[0])
     text = "\n".join([f"{type(model).__module__}.{type(model).__qualname__}",
-                      str(getattr(defining_package, "__version__", None)), config_text, repr(tensors),
+                      str(getattr(defining_package, "__version__", None)), config_text, repr(tensors), repr(functions),
                       program_cache.package_digest(), options, torch.__version__, sys.version])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _describe(value: Any) -> tuple:
+    """A callable by what it runs: name and code (constants and nested code included), or a
+    partial's function and arguments; the type's name for anything else."""
+    if isinstance(value, functools.partial):
+        return "partial", _describe(value.func), repr(value.args), repr(sorted(value.keywords.items()))
+    if inspect.ismethod(value):
+        return "method", _describe(value.__func__)
+    if inspect.isfunction(value):
+        return "function", value.__module__, value.__qualname__, _code_digest(value.__code__)
+    return type(value).__module__, type(value).__qualname__, getattr(value, "__qualname__", None)
+
+
+def _code_digest(code: types.CodeType) -> str:
+    digest = hashlib.sha256(code.co_code)
+    for const in code.co_consts:
+        digest.update((_code_digest(const) if isinstance(const, types.CodeType) else repr(const)).encode())
+    digest.update(repr(code.co_names).encode())
+    return digest.hexdigest()[:16]
 
 
 def _traced_function(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -188,7 +217,7 @@ class PrecompiledFunction:
         self.functions: list[Any] = []
         self.loaded = self.compiled = 0
         self.failed: str | None = None  # why this path runs ``fallback`` from now on
-        self.key = model_key(self.model, options_key)
+        self.key = model_key(self.model, options_key, hidden)
         if not available():
             self._give_up(fallbacks.PRECOMPILE_UNAVAILABLE, f"torch {torch.__version__} has no aot_compile")
         elif not keyable:

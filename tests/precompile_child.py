@@ -1,0 +1,66 @@
+"""One process of tests/test_precompiled.py: ``compile_for_generate(precompile=FOLDER)`` on the
+smallest Gemma 4, greedy ``generate`` on random batches, tokens compared with the model without
+the pass; prints what was traced, loaded and compiled as JSON (the last line of stdout).
+
+    python -m tests.precompile_child FOLDER --batches 1,2 [--device cuda] [--dynamic-cache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("folder")
+    parser.add_argument("--batches", default="1,2")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dynamic-cache", action="store_true", help="then one generate with a DynamicCache passed in")
+    args = parser.parse_args()
+    import fx_fastprefill
+    from examples import hf_gemma4
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    with torch.device(args.device):
+        model = hf_gemma4.smallest().to(dtype).eval()
+        reference = hf_gemma4.smallest().to(dtype).eval()
+    reference.load_state_dict(model.state_dict())
+    fx_fastprefill.compile_for_generate(model, precompile=args.folder)
+    torch.manual_seed(args.seed)
+    greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    equal = []
+    for i, batch in enumerate(int(b) for b in args.batches.split(",")):
+        ids = torch.randint(3, model.config.vocab_size, (batch, 9 + 4 * i + args.seed), device=args.device)
+        with torch.no_grad():
+            tokens = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **greedy)
+            expected = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                          cache_implementation="static", **greedy)
+        equal.append(torch.equal(tokens, expected))
+    handle = model.fx_fastprefill
+    result = {
+        "equal": equal, "graphs": counters["stats"]["unique_graphs"], "compiles": handle.compiles,
+        "loaded": {p: f.loaded for p, f in handle.forward.precompiled.items()},
+        "compiled": {p: f.compiled for p, f in handle.forward.precompiled.items()},
+        "failed": {p: f.failed for p, f in handle.forward.precompiled.items()},
+        "cut": [r.cut for r in handle.reports], "from_cache": [r.from_cache for r in handle.reports],
+        "fallbacks": dict(handle.backend.fallbacks), "summary": handle.summary(),
+    }
+    if args.dynamic_cache:  # a cache from an earlier call: another prefill graph, by guard miss
+        from transformers import DynamicCache
+        ids = torch.randint(3, model.config.vocab_size, (1, 13), device=args.device)
+        with torch.no_grad():
+            tokens = model.generate(input_ids=ids, past_key_values=DynamicCache(config=model.config), **greedy)
+            expected = reference.generate(input_ids=ids, past_key_values=DynamicCache(config=reference.config),
+                                          **greedy)
+        result["dynamic_cache"] = {"equal": torch.equal(tokens, expected), "fallbacks": dict(handle.backend.fallbacks),
+                                   "compiled": handle.forward.precompiled["prefill"].compiled}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

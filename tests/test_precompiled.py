@@ -1,0 +1,112 @@
+"""``compile_for_generate(precompile=...)`` (compilation/precompiled.py): the prefill and decode
+saved whole and loaded by the next process.
+
+- A cold process compiles and saves both paths (batches of 1 and 2: two functions per path); a
+  warm one on the same folder loads them, traces nothing, is cut, and generates the tokens of the
+  model without the pass at new prompt lengths; a cache passed in from an earlier call misses the
+  prefill's guards and compiles another, counted. (Subprocesses: what is tested is a restart.)
+- In one process: the key follows the model's config, dtype and the options; a file that does not
+  load is skipped, counted; a backend that cannot be keyed does not precompile, counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fx_fastprefill
+from fx_fastprefill import fallbacks
+from fx_fastprefill.compilation import precompiled
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.program_cache
+
+
+def _child(cache_dir: Path, *args: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "PYTHONHASHSEED": "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "tests.precompile_child", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _restart(tmp_path: Path, device: str) -> None:
+    pytest.importorskip("transformers")
+    folder, cache = str(tmp_path / "precompiled"), tmp_path / "cache"
+    cold = _child(cache, folder, "--batches", "1,2", "--device", device)
+    assert cold["loaded"] == {"prefill": 0, "decode": 0}, cold
+    assert cold["compiled"] == {"prefill": 2, "decode": 2}, cold  # batch 1, then batch-dynamic
+    assert all(cold["equal"]) and all(cold["cut"]) and cold["fallbacks"] == {
+        fallbacks.PRECOMPILED_GUARD_MISS: 2}, cold
+    warm = _child(cache, folder, "--batches", "2,1,3", "--seed", "2", "--device", device, "--dynamic-cache")
+    assert warm["loaded"] == {"prefill": 2, "decode": 2} and warm["compiled"] == {"prefill": 0, "decode": 0}, warm
+    assert warm["graphs"] == 0 and warm["compiles"] == {"prefill": 0, "decode": 0}, warm  # nothing traced
+    assert all(warm["equal"]) and warm["cut"] and all(warm["cut"]) and all(warm["from_cache"]), warm
+    assert warm["fallbacks"] == {} and "2 loaded, 0 compiled" in warm["summary"], warm
+    dynamic = warm["dynamic_cache"]
+    assert dynamic["equal"] and dynamic["compiled"] == 1, dynamic
+    assert dynamic["fallbacks"] == {fallbacks.PRECOMPILED_GUARD_MISS: 1}, dynamic
+
+
+def test_a_warm_generate_loads_both_paths_and_traces_nothing(tmp_path):
+    _restart(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_warm_generate_on_the_gpu_loads_both_paths(tmp_path):
+    """bf16, the decode with CUDA graphs (Inductor's reduce-overhead) loaded from its file."""
+    _restart(tmp_path, "cuda")
+
+
+def test_the_key_follows_the_config_dtype_and_options():
+    from examples import hf_gemma4
+    model = hf_gemma4.smallest()
+    key = precompiled.model_key(model, "options")
+    assert precompiled.model_key(model, "options") == key
+    assert precompiled.model_key(model, "other options") != key
+    assert precompiled.model_key(model.to(torch.bfloat16), "options") != key
+    assert precompiled.model_key(hf_gemma4.tiny(**hf_gemma4.SMALLEST, sliding_window=6), "options") != key
+    # A method patched on a module's instance (its identity guard is not saved): another key.
+    hand_slicing = hf_gemma4.tiny(hand_slicing=True, **hf_gemma4.SMALLEST)
+    assert precompiled.model_key(hand_slicing, "options") != key
+    assert fx_fastprefill.backend().cache_tag != fx_fastprefill.backend(narrow_slices=False).cache_tag
+
+
+def _precompiled_forward(model, folder, **options) -> precompiled.PrecompiledFunction:
+    backend = options.pop("backend", None) or fx_fastprefill.backend()
+    return precompiled.PrecompiledFunction(
+        model.forward, name="prefill", folder=folder, options_key=str(backend.cache_tag),
+        compile_options={"backend": backend}, fallback=model.forward, record_fallback=backend.fallbacks.record,
+        keyable=backend.cache_tag is not None, **options), backend
+
+
+def test_a_file_that_does_not_load_is_skipped_and_counted(tmp_path):
+    from examples import hf_gemma4
+    model = hf_gemma4.smallest()
+    function, backend = _precompiled_forward(model, tmp_path)
+    (tmp_path / f"prefill-{function.key}-truncated.bin").write_bytes(b"\x80\x04not a pickle")
+    again, backend = _precompiled_forward(model, tmp_path)
+    assert again.loaded == 0 and not again.failed
+    assert backend.fallbacks == {fallbacks.PRECOMPILED_LOAD_FAILED: 1}
+
+
+def test_a_backend_that_cannot_be_keyed_does_not_precompile(tmp_path):
+    from examples import hf_gemma4
+    from fx_fastprefill.passes.pipeline import PIPELINE
+    model = hf_gemma4.smallest()
+    unreadable = eval("lambda ctx: None")  # no source: the backend's programs cannot be keyed
+    backend = fx_fastprefill.backend(compiler="eager", passes=[*PIPELINE, unreadable])
+    function, backend = _precompiled_forward(model, tmp_path, backend=backend)
+    assert function.failed and backend.fallbacks[fallbacks.PRECOMPILE_UNAVAILABLE] == 1
+    ids = torch.randint(3, model.config.vocab_size, (1, 7))
+    with torch.no_grad():  # the fallback (here the model itself) runs
+        torch.testing.assert_close(function(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert not list(tmp_path.iterdir())

@@ -75,8 +75,10 @@ def test_the_key_follows_the_config_dtype_and_options():
     assert precompiled.model_key(model.to(torch.bfloat16), "options") != key
     assert precompiled.model_key(hf_gemma4.tiny(**hf_gemma4.SMALLEST, sliding_window=6), "options") != key
     # A method patched on a module's instance (its identity guard is not saved): another key.
-    hand_slicing = hf_gemma4.tiny(hand_slicing=True, **hf_gemma4.SMALLEST)
-    assert precompiled.model_key(hand_slicing, "options") != key
+    patched = hf_gemma4.smallest()
+    mlp = patched.model.layers[0].mlp
+    mlp.forward = lambda x: type(mlp).forward(mlp, x) * 2
+    assert precompiled.model_key(patched, "options") != key
     assert fx_fastprefill.backend().cache_tag != fx_fastprefill.backend(narrow_slices=False).cache_tag
 
 

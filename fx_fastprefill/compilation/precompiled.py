@@ -23,6 +23,7 @@ be saved (a graph break, an object that does not pickle), the path compiles thro
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import hashlib
@@ -132,11 +133,25 @@ def _closure_data(method: Callable[..., Any]) -> dict[str, object]:
             for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
 
 
+def _serializable(backend: Any) -> Any:
+    """``backend``, its result wrapped for saving where it is an AOTAutograd-compiled function:
+    torch 2.13's aot_compile does that itself, 2.11's only for Inductor."""
+    if isinstance(backend, str):
+        return backend
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable, SerializableCallable
+
+    def compile_serializable(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        compiled = backend(gm, example_inputs)
+        if getattr(compiled, "serialize", None) is not None and not isinstance(compiled, SerializableCallable):
+            return BundledAOTAutogradSerializableCallable(compiled)
+        return compiled
+    return compile_serializable
+
+
 def _global_references(compiled: Any, f_globals: dict[str, Any]) -> dict[str, tuple[str, ...]]:
     """Globals the saved bytecode reads that torch does not save itself (modules and functions
     Dynamo installed under generated names): each by how to import it again. Raises ValueError for
     one that cannot be imported by name."""
-    import builtins
     env = compiled._artifacts.runtime_env
     known = set(env.import_sources) | set(env.used_globals) | {compiled._artifacts.backend_id}
     references = {}
@@ -172,6 +187,23 @@ def _without(model: torch.nn.Module, names: tuple[str, ...]) -> Iterator[None]:
         yield
     finally:
         model.__dict__.update(saved)
+
+
+@contextlib.contextmanager
+def _builtins_resolve() -> Iterator[None]:
+    """torch 2.11's check that a compiled function's globals hold every name its bytecode reads
+    misses that builtins (``type``) resolve through ``__builtins__``, and refuses the function
+    aot_compile just made; 2.13 saves the builtins it reads. The check, given the builtins too."""
+    from torch._dynamo.convert_frame import GraphRuntimeEnv
+    original = GraphRuntimeEnv._check_external_refs
+
+    def check(self: Any, f_globals: dict[str, Any]) -> None:
+        original(self, {**vars(builtins), **f_globals})
+    GraphRuntimeEnv._check_external_refs = check
+    try:
+        yield
+    finally:
+        GraphRuntimeEnv._check_external_refs = original
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -254,7 +286,8 @@ class PrecompiledFunction:
                 saved = pickle.loads(path.read_bytes())
                 if saved.get("format") != FORMAT:
                     raise ValueError(f"format {saved.get('format')}, not {FORMAT}")
-                f_globals = dict(_traced_function(self.method).__globals__)
+                # torch 2.13 saves the builtins the bytecode reads, 2.11 does not
+                f_globals = {**vars(builtins), **_traced_function(self.method).__globals__}
                 f_globals.update({name: _resolve(ref) for name, ref in saved["globals"].items()})
                 with program_cache.loading(self.loader):
                     function = torch.compiler.load_compiled_function(
@@ -274,13 +307,16 @@ class PrecompiledFunction:
         from torch._dynamo.aot_compile import AOTCompiledFunction
         context = self.compile_context(args, kwargs, len(self.functions)) if self.compile_context \
             else contextlib.nullcontext()
-        options = {**self.compile_options, "options": {**self.compile_options.get("options", {}),
-                                                        "guard_filter_fn": serializable_guards(
-            _traced_function(self.method).__code__.co_freevars)}}
+        guard_filter = serializable_guards(_traced_function(self.method).__code__.co_freevars)
+        options = {**self.compile_options, "backend": _serializable(self.compile_options["backend"]),
+                   "options": {**self.compile_options.get("options", {}), "guard_filter_fn": guard_filter}}
         try:
             # Float scalars specialized up front: aot_compile cannot restart the trace, as Dynamo does
             # when it finds a float it cannot turn into a tensor under dynamic=True.
-            with context, torch._dynamo.config.patch(specialize_float=True), _without(self.model, self.hidden):
+            # torch 2.11 puts aot_compile on a compiled function only with enable_aot_compile on.
+            switches = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
+            with context, torch._dynamo.config.patch(specialize_float=True, **switches), \
+                    _without(self.model, self.hidden), _builtins_resolve():
                 function = torch.compile(self.method, fullgraph=True, **options).aot_compile((args, kwargs))
             f_globals = _traced_function(self.method).__globals__
             data = AOTCompiledFunction.serialize(function, _closure_data(self.method)).serialized_data

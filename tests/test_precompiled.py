@@ -45,11 +45,17 @@ def _restart(tmp_path: Path, device: str) -> None:
     assert cold["compiled"] == {"prefill": 2, "decode": 2}, cold  # batch 1, then batch-dynamic
     assert all(cold["equal"]) and all(cold["cut"]) and cold["fallbacks"] == {
         fallbacks.PRECOMPILED_GUARD_MISS: 2}, cold
-    warm = _child(cache, folder, "--batches", "2,1,3", "--seed", "2", "--device", device, "--dynamic-cache")
+    # torch 2.11's C++ Inductor miscompiles this model's DynamicCache prefill with or without the
+    # package (an undeclared temporary in the generated code): that step needs 2.13 on the CPU.
+    dynamic_cache = device == "cuda" or torch.__version__ >= "2.13"
+    warm = _child(cache, folder, "--batches", "2,1,3", "--seed", "2", "--device", device,
+                  *(["--dynamic-cache"] if dynamic_cache else []))
     assert warm["loaded"] == {"prefill": 2, "decode": 2} and warm["compiled"] == {"prefill": 0, "decode": 0}, warm
     assert warm["graphs"] == 0 and warm["compiles"] == {"prefill": 0, "decode": 0}, warm  # nothing traced
     assert all(warm["equal"]) and warm["cut"] and all(warm["cut"]) and all(warm["from_cache"]), warm
     assert warm["fallbacks"] == {} and "2 loaded, 0 compiled" in warm["summary"], warm
+    if not dynamic_cache:
+        return
     dynamic = warm["dynamic_cache"]
     assert dynamic["equal"] and dynamic["compiled"] == 1, dynamic
     assert dynamic["fallbacks"] == {fallbacks.PRECOMPILED_GUARD_MISS: 1}, dynamic

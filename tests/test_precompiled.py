@@ -11,10 +11,6 @@ saved whole and loaded by the next process.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,18 +19,13 @@ import torch
 import fx_fastprefill
 from fx_fastprefill import fallbacks
 from fx_fastprefill.compilation import precompiled
+from tests.children import run_child
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.program_cache
 
 
 def _child(cache_dir: Path, *args: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "PYTHONHASHSEED": "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "tests.precompile_child", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child("tests.precompile_child", cache_dir, *args)
 
 
 def _restart(tmp_path: Path, device: str) -> None:

@@ -13,11 +13,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,6 +26,7 @@ from fx_fastprefill import SeqChunk, fallbacks
 from fx_fastprefill.compilation import program_cache
 from fx_fastprefill.compilation.backend import FastPrefillBackend
 from fx_fastprefill.passes.pipeline import PIPELINE
+from tests.children import run_child
 from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,12 +34,7 @@ pytestmark = pytest.mark.program_cache
 
 
 def _child(cache_dir: Path, *args: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "PYTHONHASHSEED": "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "tests.program_cache_child", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child("tests.program_cache_child", cache_dir, *args)
 
 
 def test_a_warm_process_loads_the_program_and_compiles_nothing(tmp_path):

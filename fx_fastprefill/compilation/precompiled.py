@@ -224,8 +224,8 @@ class PrecompiledFunction:
     of a call (clears what the guards must not see). ``compile_context(args, kwargs,
     functions_so_far)``: entered around a compile (marks inputs dynamic). ``loader``: given each
     program of this package's backend loaded with a function (the backend's reports and counters
-    adopt it). ``keyable``: False where
-    the compile's options cannot be keyed (a backend without a cache tag): the path falls back.
+    adopt it). ``keyable``: False where the compile's options cannot be keyed (a backend without a
+    cache tag): the path falls back.
     ``hidden``: attributes of the model's instance set by the caller (wrappers of its ``forward``)
     taken off it while compiling: Dynamo saves the model's instance state with the guards, and
     these hold the compiler's own objects."""

@@ -34,6 +34,8 @@ def _restart(tmp_path: Path, device: str) -> None:
     cold = _child(cache, folder, "--batches", "1,2", "--device", device)
     assert cold["loaded"] == {"prefill": 0, "decode": 0}, cold
     assert cold["compiled"] == {"prefill": 2, "decode": 2}, cold  # batch 1, then batch-dynamic
+    # The static cache's K/V shapes (a fake-tensor probe of the model) are kept for the next start too.
+    assert len(list((tmp_path / "precompiled").glob("kv-shapes-*.json"))) == 1
     assert all(cold["equal"]) and all(cold["cut"]) and cold["fallbacks"] == {
         fallbacks.PRECOMPILED_GUARD_MISS: 2}, cold
     # torch 2.11's C++ Inductor miscompiles this model's DynamicCache prefill with or without the

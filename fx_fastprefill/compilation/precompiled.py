@@ -206,7 +206,8 @@ def _builtins_resolve() -> Iterator[None]:
         GraphRuntimeEnv._check_external_refs = original
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
+    """``data`` to ``path`` by a rename: a reader sees the old file or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, prefix=path.name + ".") as f:
         f.write(data)
@@ -321,7 +322,7 @@ class PrecompiledFunction:
             f_globals = _traced_function(self.method).__globals__
             data = AOTCompiledFunction.serialize(function, _closure_data(self.method)).serialized_data
             saved = {"format": FORMAT, "globals": _global_references(function, f_globals), "function": data}
-            _write_atomically(self._new_path(), pickle.dumps(saved))
+            write_atomically(self._new_path(), pickle.dumps(saved))
         except Exception as e:  # noqa: BLE001 - the path compiles as without precompiling: counted, logged
             log.debug("precompiling %s failed", self.name, exc_info=True)
             self._give_up(fallbacks.PRECOMPILE_FAILED, f"{type(e).__name__}: {e}")

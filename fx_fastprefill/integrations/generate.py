@@ -26,6 +26,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import json
 import logging
 import os
 from collections import Counter
@@ -213,6 +214,21 @@ class GenerateForward:
             compile_options={"backend": decode_backend, "dynamic": decode_dynamic, "options": options},
             fallback=self.static_decode, keyable=isinstance(decode_backend, str), **common)
 
+    def _kv_shapes(self, cache: Any) -> list[tuple[int, int]]:
+        """:func:`kv_shapes`, kept next to the precompiled functions (under their key: the model's
+        class, config and shapes) so that a warm start does not run the fake-tensor probe again."""
+        function = self.precompiled.get(PREFILL)
+        if function is None or function.failed:
+            return kv_shapes(self.model, self.original, cache)
+        path = function.folder / f"kv-shapes-{function.key}-{type(cache).__qualname__}.json"
+        try:
+            return [tuple(shape) for shape in json.loads(path.read_text())]
+        except (OSError, ValueError, TypeError):
+            shapes = kv_shapes(self.model, self.original, cache)
+        if shapes:
+            precompiled.write_atomically(path, json.dumps(shapes).encode())
+        return shapes
+
     def _initialize(self, cache: Any, args: tuple, kwargs: dict) -> None:
         """Allocate a static cache's tensors before the compiled prefill: allocated inside it (as
         transformers does on a layer's first update), they would not be marked as static addresses,
@@ -224,7 +240,7 @@ class GenerateForward:
         ids = _input_ids(args, kwargs)
         batch = (ids if isinstance(ids, torch.Tensor) else kwargs["inputs_embeds"]).shape[0]
         if self.kv_shapes is None:
-            self.kv_shapes = kv_shapes(self.model, self.original, cache)
+            self.kv_shapes = self._kv_shapes(cache)
         if not self.kv_shapes:
             log.warning("the static cache of %s cannot be allocated before the prefill; its tensors are made inside "
                         "the compiled prefill, and decode CUDA graphs may copy them every step",

@@ -34,7 +34,7 @@ from .gather_hoisting import HoistPlan, NoCut, analyze
 from .link_kv_sources import link_kv_sources
 from .narrow_sliced_producers import Narrowed, narrow_sliced_producers
 from .split_pieces import PieceInfo, split_pieces
-from .split_regions import FULL, REDUCED, split_regions
+from .split_regions import FULL, REDUCED, region_static_idxs, split_regions
 
 log = logging.getLogger("fx_fastprefill")
 
@@ -65,6 +65,7 @@ class PassContext:
     gm: GraphModule
     options: PipelineOptions
     unchanged: GraphModule | None = None
+    static_inputs: set[Node] = field(default_factory=set)  # placeholders read in place (parameters)
     copies: dict[Node, Node] = field(default_factory=dict)  # unchanged graph's node -> its copy
     layers: list[AttentionNode] = field(default_factory=list)
     eligible: list[str] = field(default_factory=list)
@@ -142,7 +143,9 @@ def pieces(ctx: PassContext) -> None:
     """With piecewise CUDA graphs, each region split into the pieces recorded as graphs and the
     ops that run eagerly between them (passes/split_pieces.py)."""
     if ctx.options.cudagraphs:
-        ctx.pieces = {name: split_pieces(getattr(ctx.split, name)) for name in (FULL, REDUCED)}
+        static_names = {ctx.copies.get(n, n).name for n in ctx.static_inputs}
+        ctx.pieces = {name: split_pieces(getattr(ctx.split, name), region_static_idxs(ctx.split, name, static_names))
+                      for name in (FULL, REDUCED)}
 
 
 PIPELINE: list[Pass] = [link, find_eligible, require_enabled, copy_for_cut, hoist, narrow,

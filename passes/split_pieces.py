@@ -6,22 +6,32 @@ per-step metadata on the host (sequence boundaries, cache slots), so they cannot
 a CUDA graph; the boundary gathers read T-sized tensors, and recording them would record every
 reduced piece once per (T, R) instead of once per R. Both run eagerly between the pieces.
 
+Layers of one kind should give equal pieces, so that each such piece compiles once
+(:func:`piece_signature`, compilation/cudagraphs.py). Views that pick a layer's slice of a shared
+input (``select(per_layer_inputs, 1, i)``) made them differ, so a run's views of values computed
+outside it move ahead of it, into a views-only piece. Views of inputs read in place (parameters)
+stay with their readers, where Inductor folds them.
+
 Invariants:
-- Reads the region; returns a new GraphModule whose submodules ``piece_<i>`` run in order and
-  compute every node of the region once. ``PieceInfo.kind`` says what each is: ``eager`` (package
-  ops or gathers, run as they are), ``views`` (views and sizes only: nothing to launch), ``graph``
-  (compiled and recorded).
+- Moves views of values from outside a run ahead of that run in the region (views have no
+  effect; nothing else moves, so package ops and gathers keep their order).
+- Returns a new GraphModule whose submodules ``piece_<i>`` run in order and compute every node of
+  the region once. ``PieceInfo.kind`` says what each is: ``eager`` (package ops or gathers, run as
+  they are), ``views`` (views and sizes only: nothing to launch), ``graph`` (compiled and recorded).
 - A piece reads only region inputs and values of earlier pieces.
-- Piece graphs name their nodes canonically (placeholders ``in_0``...; call nodes after their op),
-  so two layers' identical pieces print the same code, which Inductor's graph cache can hit.
+- Piece graphs name their placeholders ``in_0``...; two pieces with equal signatures compute the
+  same function of their inputs.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
 from torch.fx.passes.split_module import split_module
 
 from fx_fastprefill.ops.schema import is_package_op
@@ -49,32 +59,64 @@ def _is_view(node: Node) -> bool:
     return (isinstance(target, torch._ops.OpOverload) and target.is_view) or target in _SIZE_OPS
 
 
-def split_pieces(region: GraphModule) -> tuple[GraphModule, list[PieceInfo]]:
-    """The region as a GraphModule calling its pieces in order, and what each piece is."""
-    partition: dict[Node, int] = {}
-    kinds: list[str] = []
+def _inputs(node: Node) -> list[Node]:
+    found: list[Node] = []
+    map_arg((node.args, node.kwargs), found.append)
+    return found
+
+
+def split_pieces(region: GraphModule, static_input_idxs: Iterable[int] = ()) -> tuple[GraphModule, list[PieceInfo]]:
+    """The region as a GraphModule calling its pieces in order, and what each piece is.
+    ``static_input_idxs``: the region inputs read in place (their views stay in their pieces)."""
+    inputs = [n for n in region.graph.nodes if n.op == "placeholder"]
+    in_place = {inputs[i] for i in static_input_idxs}
+    # Each call node's run (a maximal stretch of eager or of ordinary nodes), and whether it is a
+    # view of values from outside its run, lifted into a views piece ahead of it.
+    run: dict[Node, int] = {}
+    lifted: set[Node] = set()
+    eager_runs: list[bool] = []
     for node in region.graph.nodes:
         if node.op != "call_function":
             continue
         eager = runs_eagerly(node)
-        if not kinds or (kinds[-1] == EAGER) != eager:
-            kinds.append(EAGER if eager else GRAPH)
-        partition[node] = len(kinds) - 1
-    if not partition:
+        if not eager_runs or eager_runs[-1] != eager:
+            eager_runs.append(eager)
+        run[node] = len(eager_runs) - 1
+        if not eager and _is_view(node) and all(
+                (a.op == "placeholder" and a not in in_place) or a in lifted or run.get(a, run[node]) < run[node]
+                for a in _inputs(node)):
+            lifted.add(node)
+    if not run:
         raise ValueError("a region without call nodes has no pieces")
+    _move_ahead_of_their_runs(region, run, lifted)
+    keys = sorted({(run[n], n not in lifted) for n in run})
+    index = {key: i for i, key in enumerate(keys)}
+    partition = {n: index[(run[n], n not in lifted)] for n in run}
     split = split_module(region, region, partition.__getitem__, keep_original_order=True)
     members: dict[int, list[Node]] = {}
-    for node, index in partition.items():
-        members.setdefault(index, []).append(node)
+    for node, i in partition.items():
+        members.setdefault(i, []).append(node)
     pieces = []
-    for index, kind in enumerate(kinds):
-        if kind == GRAPH and all(_is_view(n) for n in members[index]):
-            kind = VIEWS
-        pieces.append(PieceInfo(f"piece_{index}", kind))
+    for i, (k, _) in enumerate(keys):
+        kind = EAGER if eager_runs[k] else VIEWS if all(_is_view(n) for n in members[i]) else GRAPH
+        pieces.append(PieceInfo(f"piece_{i}", kind))
     split = rename_submodules(split, {f"submod_{i}": p.name for i, p in enumerate(pieces)})
     for piece in pieces:
         _canonical_inputs(getattr(split, piece.name))
     return split, pieces
+
+
+def _move_ahead_of_their_runs(region: GraphModule, run: dict[Node, int], lifted: set[Node]) -> None:
+    """Each lifted view just before its run's first node (what it reads comes earlier still)."""
+    first: dict[int, Node] = {}
+    for node in region.graph.nodes:
+        if node in run and node not in lifted:
+            first.setdefault(run[node], node)
+    for node in [n for n in region.graph.nodes if n in lifted]:
+        if run[node] in first:
+            first[run[node]].prepend(node)
+    if lifted:
+        region.recompile()
 
 
 def _canonical_inputs(piece: GraphModule) -> None:
@@ -82,3 +124,33 @@ def _canonical_inputs(piece: GraphModule) -> None:
         node._rename(f"in_{i}")
         node.target = node.name  # the forward's argument name
     piece.recompile()
+
+
+def piece_signature(piece: GraphModule, static_input_idxs: Iterable[int]) -> tuple:
+    """What a piece's compiled code depends on, names aside: each node's op, target and arguments
+    (other nodes by position), its inputs' dtypes, sizes, strides and devices (the symbols of one
+    shape environment), which inputs are read in place, and the identity of any constant it reads.
+    Two pieces with one signature can share one compiled function."""
+    position: dict[Node, int] = {}
+    ops = []
+    for node in piece.graph.nodes:
+        position[node] = len(position)
+        args = map_arg((node.args, node.kwargs), lambda n: _Ref(position[n]))
+        if node.op == "placeholder":
+            ops.append(("placeholder", _describe(node.meta.get("val"))))
+        elif node.op == "get_attr":
+            ops.append(("get_attr", id(functools.reduce(getattr, node.target.split("."), piece))))
+        else:
+            ops.append((node.op, str(node.target), repr(args)))
+    return tuple(ops), tuple(static_input_idxs)
+
+
+class _Ref(int):
+    def __repr__(self) -> str:
+        return f"%{int(self)}"
+
+
+def _describe(val: object) -> tuple:
+    if isinstance(val, torch.Tensor):
+        return str(val.dtype), str(tuple(val.shape)), str(val.stride()), str(val.device)
+    return type(val).__name__, str(val)

@@ -61,6 +61,12 @@ def split_regions(gm: GraphModule) -> GraphModule:
     return rename_submodules(split, {"submod_0": FULL, "submod_1": REDUCED})
 
 
+def region_static_idxs(split: GraphModule, region: str, static_names: set[str]) -> list[int]:
+    """The positions of ``region``'s inputs that are read in place (named in ``static_names``)."""
+    call = next(n for n in split.graph.nodes if n.op == "call_module" and n.target == region)
+    return [i for i, a in enumerate(call.args) if isinstance(a, Node) and a.name in static_names]
+
+
 def rename_submodules(split: GraphModule, names: dict[str, str]) -> GraphModule:
     """Call ``split``'s submodules by ``names`` (``submod_3`` -> ``piece_3``): what a report or a
     profile shows."""

@@ -41,9 +41,12 @@ def main() -> None:
             expected = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                           cache_implementation="static", **greedy)
         equal.append(torch.equal(tokens, expected))
+        if i == 0:
+            loaded_first = {p: f.loaded for p, f in model.fx_fastprefill.forward.precompiled.items()}
     handle = model.fx_fastprefill
     result = {
         "equal": equal, "graphs": counters["stats"]["unique_graphs"], "compiles": handle.compiles,
+        "loaded_by_the_first_generate": loaded_first,
         "loaded": {p: f.loaded for p, f in handle.forward.precompiled.items()},
         "compiled": {p: f.compiled for p, f in handle.forward.precompiled.items()},
         "failed": {p: f.failed for p, f in handle.forward.precompiled.items()},

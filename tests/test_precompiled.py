@@ -41,8 +41,10 @@ def _restart(tmp_path: Path, device: str) -> None:
     # torch 2.11's C++ Inductor miscompiles this model's DynamicCache prefill with or without the
     # package (an undeclared temporary in the generated code): that step needs 2.13 on the CPU.
     dynamic_cache = device == "cuda" or torch.__version__ >= "2.13"
-    warm = _child(cache, folder, "--batches", "2,1,3", "--seed", "2", "--device", device,
+    warm = _child(cache, folder, "--batches", "1,3,2", "--seed", "2", "--device", device,
                   *(["--dynamic-cache"] if dynamic_cache else []))
+    # Files load as calls need them: batch 1 runs the first function of each path, batch 3 the second.
+    assert warm["loaded_by_the_first_generate"] == {"prefill": 1, "decode": 1}, warm
     assert warm["loaded"] == {"prefill": 2, "decode": 2} and warm["compiled"] == {"prefill": 0, "decode": 0}, warm
     assert warm["graphs"] == 0 and warm["compiles"] == {"prefill": 0, "decode": 0}, warm  # nothing traced
     assert all(warm["equal"]) and warm["cut"] and all(warm["cut"]) and all(warm["from_cache"]), warm
@@ -92,10 +94,15 @@ def _precompiled_forward(model, folder, **options) -> precompiled.PrecompiledFun
 def test_a_file_that_does_not_load_is_skipped_and_counted(tmp_path):
     from examples import hf_gemma4
     model = hf_gemma4.smallest()
-    function, backend = _precompiled_forward(model, tmp_path)
+    backend = fx_fastprefill.backend(compiler="eager")
+    function, _ = _precompiled_forward(model, tmp_path, backend=backend)
     (tmp_path / f"prefill-{function.key}-truncated.bin").write_bytes(b"\x80\x04not a pickle")
-    again, backend = _precompiled_forward(model, tmp_path)
-    assert again.loaded == 0 and not again.failed
+    again, _ = _precompiled_forward(model, tmp_path, backend=backend)
+    assert again.unloaded and not backend.fallbacks  # read at the first call, not before
+    ids = torch.randint(3, model.config.vocab_size, (1, 7))
+    with torch.no_grad():  # skipped, counted; the call compiles and saves a function of its own
+        torch.testing.assert_close(again(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert again.loaded == 0 and again.compiled == 1 and not again.failed
     assert backend.fallbacks == {fallbacks.PRECOMPILED_LOAD_FAILED: 1}
 
 

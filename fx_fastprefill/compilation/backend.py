@@ -21,7 +21,7 @@ from fx_fastprefill.ops.schema import SDPA_OP, is_package_op
 from fx_fastprefill.passes.capture_sdpa import capture_sdpa
 from fx_fastprefill.passes.fx_utils import input_name, placeholders
 from fx_fastprefill.passes.pipeline import DUMP_ENV, PIPELINE, Pass, PassContext, PipelineOptions, run_pipeline
-from fx_fastprefill.passes.split_regions import FULL, REDUCED
+from fx_fastprefill.passes.split_regions import FULL, REDUCED, region_static_idxs
 
 from .. import fallbacks as fallback_reasons
 from ..fallbacks import FallbackCounter
@@ -163,7 +163,7 @@ class FastPrefillBackend:
 
         def compile_program(aten: GraphModule, inputs: Sequence[Any]) -> ProgramCode:
             # The regions and pieces go through Inductor's FX graph cache (which bundling turns off):
-            # identical pieces compile once, and a new program reuses the graphs an earlier one compiled.
+            # a new program reuses the graphs an earlier one compiled.
             with torch._functorch.config.patch(bundled_autograd_cache=False):
                 programs.append(self._compile_aten(aten, inputs))
             return programs[-1]
@@ -227,7 +227,8 @@ class FastPrefillBackend:
                 isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
             cudagraphs = False
             record_fallback(fallback_reasons.CUDAGRAPHS_NOT_CUDA)
-        ctx = run_pipeline(PassContext(gm, dataclasses.replace(self.options, cudagraphs=cudagraphs)), self.passes)
+        ctx = run_pipeline(PassContext(gm, dataclasses.replace(self.options, cudagraphs=cudagraphs),
+                                       static_inputs=static), self.passes)
         if self._declined_by_ranks:
             ctx.declined = self._declined_by_ranks
             record_fallback(fallback_reasons.RANKS_DISAGREE)
@@ -255,12 +256,13 @@ class FastPrefillBackend:
         """The two regions compiled and swapped into the split graph, the reduced one behind the gate."""
         split, plan = ctx.split, ctx.plan
         static_names = {ctx.copies[n].name for n in static}
-        calls = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
+        compiled_pieces: dict = {}  # one compile per distinct piece, shared by both regions (one shape env)
         parts = []
         for name in (FULL, REDUCED):
             region = getattr(split, name)
-            static_idxs = [i for i, a in enumerate(calls[name].args) if isinstance(a, Node) and a.name in static_names]
-            run = self._compile_region(region, static_idxs, cudagraphs, record_fallback, ctx.pieces.get(name))
+            static_idxs = region_static_idxs(split, name, static_names)
+            run = self._compile_region(region, static_idxs, cudagraphs, record_fallback, ctx.pieces.get(name),
+                                       compiled_pieces)
             if name == REDUCED and plan.per_step:
                 run = StepGate(run, region, plan.index.name, plan.rows, plan.reduced_rows, record_fallback)
             if hasattr(run, "bind"):
@@ -269,9 +271,11 @@ class FastPrefillBackend:
         return CompiledProgram(GraphCode(split), copy_outputs=cudagraphs, parts=parts)
 
     def _compile_region(self, region: GraphModule, static_idxs: list[int], cudagraphs: bool,
-                        record_fallback: Callable[[str], None], pieces: Any = None) -> Callable[..., Any]:
+                        record_fallback: Callable[[str], None], pieces: Any = None,
+                        compiled_pieces: dict | None = None) -> Callable[..., Any]:
         if cudagraphs:
-            return PiecewiseRegion(region, self.compiler, static_idxs, record_fallback, self.graph_recorder, pieces)
+            return PiecewiseRegion(region, self.compiler, static_idxs, record_fallback, self.graph_recorder, pieces,
+                                   compiled_pieces)
         return Submodule(compile_boxed(region, self.compiler, static_idxs))
 
     def _compile_unchanged(self, gm: GraphModule, example_inputs: Sequence[Any], static: set[Node], cudagraphs: bool,

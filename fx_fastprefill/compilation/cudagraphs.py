@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 from fx_fastprefill.passes.fx_utils import placeholders, size_sources
-from fx_fastprefill.passes.split_pieces import GRAPH, PieceInfo, split_pieces
+from fx_fastprefill.passes.split_pieces import GRAPH, PieceInfo, piece_signature, split_pieces
 
 from ..ops.step_context import WHOLE_STEP, current_step
 from .. import fallbacks as reasons
@@ -227,11 +227,14 @@ class PiecewiseRegion:
 
     def __init__(self, region: GraphModule, compiler: str, static_input_idxs: list[int],
                  record_fallback: Callable[[str], None], recorder: Recorder | None = None,
-                 pieces: tuple[GraphModule, list[PieceInfo]] | None = None):
+                 pieces: tuple[GraphModule, list[PieceInfo]] | None = None, compiled: dict | None = None):
         """``pieces``: the region already split (the pipeline's ``pieces`` pass); else split here
-        (a graph compiled unchanged, which the pipeline did not finish)."""
+        (a graph compiled unchanged, which the pipeline did not finish). ``compiled``: pieces
+        compiled so far in this shape environment, by their signature (shared by a program's
+        regions); a piece equal to one of them is not compiled again."""
         inputs = placeholders(region)
-        self.split, infos = pieces or split_pieces(region)
+        self.split, infos = pieces or split_pieces(region, static_input_idxs)
+        compiled = {} if compiled is None else compiled
         self.key_sizes = self._key_sizes(inputs, infos)
         self.pieces: list[CUDAGraphPiece] = []
         static_inputs = {inputs[i].name for i in static_input_idxs}
@@ -243,8 +246,11 @@ class PiecewiseRegion:
             static = [
                 isinstance(a, Node) and (a.op == "get_attr" or a.name in static_inputs) for a in calls[info.name].args
             ]
-            piece = CUDAGraphPiece(compile_boxed(module, compiler, [i for i, s in enumerate(static) if s]), static,
-                                   not returns_tuple(module), None)
+            static_idxs = [i for i, s in enumerate(static) if s]
+            key = piece_signature(module, static_idxs)
+            if key not in compiled:
+                compiled[key] = compile_boxed(module, compiler, static_idxs)
+            piece = CUDAGraphPiece(compiled[key], static, not returns_tuple(module), None)
             self.pieces.append(piece)
             swap_submodule(self.split, info.name, piece)
         for info in infos:

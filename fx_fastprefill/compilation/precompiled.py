@@ -247,7 +247,8 @@ class PrecompiledFunction:
         self.compile_context = compile_context
         self.loader = loader
         self.hidden = hidden
-        self.functions: list[Any] = []
+        self.functions: list[Any] = []  # loaded or compiled, in the order their guards are checked
+        self.unloaded: list[Path] = []  # saved functions not loaded yet, oldest first
         self.loaded = self.compiled = 0
         self.failed: str | None = None  # why this path runs ``fallback`` from now on
         self.key = model_key(self.model, options_key, hidden)
@@ -256,14 +257,14 @@ class PrecompiledFunction:
         elif not keyable:
             self._give_up(fallbacks.PRECOMPILE_UNAVAILABLE, "the compile's backend cannot be keyed")
         else:
-            self._load()
+            self.unloaded = sorted(self.folder.glob(f"{self.name}-{self.key}-*.bin"), key=lambda p: p.stat().st_mtime)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.failed:
             return self.fallback(*args, **kwargs)
         if self.prepare is not None:
             self.prepare(args, kwargs)
-        for function in self.functions:
+        for function in self._candidates():
             if function.guard_check(self.model, *args, **kwargs):
                 return function(self.model, *args, **kwargs)
         if self.functions:
@@ -281,27 +282,36 @@ class PrecompiledFunction:
     def _new_path(self) -> Path:
         return self.folder / f"{self.name}-{self.key}-{uuid.uuid4().hex[:12]}.bin"
 
-    def _load(self) -> None:
-        for path in sorted(self.folder.glob(f"{self.name}-{self.key}-*.bin"), key=lambda p: p.stat().st_mtime):
-            try:
-                saved = pickle.loads(path.read_bytes())
-                if saved.get("format") != FORMAT:
-                    raise ValueError(f"format {saved.get('format')}, not {FORMAT}")
-                # torch 2.13 saves the builtins the bytecode reads, 2.11 does not
-                f_globals = {**vars(builtins), **_traced_function(self.method).__globals__}
-                f_globals.update({name: _resolve(ref) for name, ref in saved["globals"].items()})
-                with program_cache.loading(self.loader):
-                    function = torch.compiler.load_compiled_function(
-                        io.BytesIO(saved["function"]), f_globals=f_globals, external_data=_closure_data(self.method))
-            except Exception as e:  # noqa: BLE001 - a file that does not load is skipped: counted, logged
-                self.record_fallback(fallbacks.PRECOMPILED_LOAD_FAILED)
-                log.warning("precompiled %s: %s not loaded (%s: %s)", self.name, path, type(e).__name__, e)
-                continue
-            function.disable_guard_check()  # checked by __call__ before each call
-            self.functions.append(function)
-            self.loaded += 1
-        if self.loaded:
-            log.info("precompiled %s: loaded %d function(s) from %s", self.name, self.loaded, self.folder)
+    def _candidates(self) -> Iterator[Any]:
+        """The functions in hand, then the saved ones, each loaded only when those before it do not
+        fit the call: a warm start loads what its calls need, not every file (the first output comes
+        sooner, and a path that is never called is never loaded)."""
+        yield from list(self.functions)
+        while self.unloaded:
+            function = self._load(self.unloaded.pop(0))
+            if function is not None:
+                yield function
+
+    def _load(self, path: Path) -> Any:
+        try:
+            saved = pickle.loads(path.read_bytes())
+            if saved.get("format") != FORMAT:
+                raise ValueError(f"format {saved.get('format')}, not {FORMAT}")
+            # torch 2.13 saves the builtins the bytecode reads, 2.11 does not
+            f_globals = {**vars(builtins), **_traced_function(self.method).__globals__}
+            f_globals.update({name: _resolve(ref) for name, ref in saved["globals"].items()})
+            with program_cache.loading(self.loader):
+                function = torch.compiler.load_compiled_function(
+                    io.BytesIO(saved["function"]), f_globals=f_globals, external_data=_closure_data(self.method))
+        except Exception as e:  # noqa: BLE001 - a file that does not load is skipped: counted, logged
+            self.record_fallback(fallbacks.PRECOMPILED_LOAD_FAILED)
+            log.warning("precompiled %s: %s not loaded (%s: %s)", self.name, path, type(e).__name__, e)
+            return None
+        function.disable_guard_check()  # checked by __call__ before each call
+        self.functions.append(function)
+        self.loaded += 1
+        log.info("precompiled %s: loaded %s", self.name, path)
+        return function
 
     def _compile(self, args: tuple, kwargs: dict) -> Any:
         """aot_compile for these inputs and save; None (and the path falls back for good) on failure."""

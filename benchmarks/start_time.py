@@ -20,6 +20,8 @@ the clock starts (weights in memory); what is timed is what a user waits for aft
 Records ``{model, device, variant, phase, first_output_s, compile_s, capture_s}`` (``compile_s``:
 Dynamo's own compile time, every graph; ``capture_s``: the Runner's capture) plus the cache
 counters. Every process runs with PYTHONHASHSEED=0 (Gemma 4's graph follows a set's order).
+``--profile DIR`` runs each process under cProfile and writes its 80 most expensive calls
+(cumulative) to ``DIR/<model>-<variant>-<phase>.txt``: where a start's seconds go.
 
     PYTHONPATH=. python3 benchmarks/start_time.py --models gemma4-e2b,gemma3n-e2b,runner-gemma3n-e2b \\
         --out benchmarks/results/DATE-h200-start-time.json
@@ -124,6 +126,21 @@ def child(args) -> dict:
     return record
 
 
+def profile_child(args) -> None:
+    """:func:`child` under cProfile; the listing goes to ``args.profile``, the record to stdout."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    record = profiler.runcall(child, args)
+    listing = io.StringIO()
+    pstats.Stats(profiler, stream=listing).sort_stats("cumulative").print_stats(80)
+    folder = Path(args.profile)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{args.model}-{args.variant}-{args.phase}.txt").write_text(listing.getvalue())
+    print("RECORD " + json.dumps(record), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gemma4-e2b,gemma3n-e2b,runner-gemma3n-e2b")
@@ -132,12 +149,17 @@ def main() -> None:
     parser.add_argument("--variants", default=None, help="a subset, comma-separated (default: all of a model's)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny models: a check of the script")
     parser.add_argument("--out")
+    parser.add_argument("--profile", help="a folder: each process's cProfile listing, by cumulative time")
+    parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RECORD " + json.dumps(child(args)), flush=True)
+        if args.profile:
+            profile_child(args)
+        else:
+            print("RECORD " + json.dumps(child(args)), flush=True)
         return
     if args.smoke:
         args.models, args.device = ",".join(SMOKE_MODELS), "cpu"
@@ -151,7 +173,8 @@ def main() -> None:
                     env = dict(os.environ, PYTHONHASHSEED="0", TORCHINDUCTOR_CACHE_DIR=cache_dir,
                                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
                     cmd = [sys.executable, __file__, "--child", "--model", model, "--variant", variant,
-                           "--device", args.device, "--shape", shape]
+                           "--device", args.device, "--shape", shape, "--phase", phase,
+                           *(["--profile", args.profile] if args.profile else [])]
                     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                     lines = [x for x in proc.stdout.splitlines() if x.startswith("RECORD ")]
                     record = {"model": model, "device": args.device, "shape": shape, "variant": variant,

@@ -4,12 +4,14 @@ The flat example at the layer layouts of ``prefill.py``'s models (Gemma 3n E2B: 
 10 reading earlier K/V; Gemma 4 E2B: 35 and 20) with small widths, compiled with piecewise CUDA
 graphs. The CPU has no graphs, so a stand-in recorder takes their place; the first step only warms
 up (it records nothing), so the split, the compiles and Inductor run as they do on the GPU. Each
-run is a fresh process with an empty Inductor cache (a cold start). ``--checkouts`` runs the same
+run is a fresh process with an empty Inductor cache (a cold start). Variants: ``ffp`` (the backend
+as above) and ``inductor`` (``backend="inductor"``: Inductor's first compile of the same model, no
+pieces, the baseline of the issue's "cold setup <= 1.2x Inductor"). ``--checkouts`` runs the same
 measurement with other checkouts of the package first on the path, interleaved run by run (an A/B
 against earlier code).
 
     PYTHONPATH=. python3 benchmarks/piece_compiles.py --out OUT.json
-    PYTHONPATH=. python3 benchmarks/piece_compiles.py --checkouts head=.,before=/tmp/old --out OUT.json
+    PYTHONPATH=. python3 benchmarks/piece_compiles.py --checkouts head=.,before=/tmp/old --variants ffp --out OUT.json
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class _WarmUpOnly:
         return t
 
 
-def measure(model_name: str) -> dict:
+def measure(model_name: str, variant: str) -> dict:
     """One cold first step in this process: pieces, distinct compiles, seconds."""
     import torch
     import fx_fastprefill
@@ -58,54 +60,56 @@ def measure(model_name: str) -> dict:
     layers, shared = LAYOUTS[model_name]
     torch.manual_seed(0)
     model = Gemma3nLike(Config(n_layers=layers, num_kv_shared_layers=shared))
-    backend = FastPrefillBackend(cudagraphs=True, graph_recorder=_WarmUpOnly())
+    backend = FastPrefillBackend(cudagraphs=True, graph_recorder=_WarmUpOnly()) if variant == "ffp" else "inductor"
     runner = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=64, max_model_len=96,
                                    token_pad_sizes=[16, 32, 64])
     start = time.perf_counter()
     runner.step([SeqChunk(0, list(range(1, 15)), 1), SeqChunk(1, list(range(5, 25)), 1)])
     seconds = time.perf_counter() - start
     report = runner.report
-    return {"model": model_name, "layers": layers, "kv_shared_layers": shared, "cut": report.cut,
-            "graph_pieces": len(pieces), "compiled_pieces": len(compiles), "first_step_s": round(seconds, 2),
-            "pass_s": {k: round(v, 3) for k, v in report.pass_seconds.items()}}
+    return {"model": model_name, "variant": variant, "layers": layers, "kv_shared_layers": shared,
+            "cut": report.cut if report else None, "graph_pieces": len(pieces), "compiled_pieces": len(compiles),
+            "first_step_s": round(seconds, 2),
+            "pass_s": {k: round(v, 3) for k, v in report.pass_seconds.items()} if report else {}}
 
 
-def run_child(checkout: Path, model_name: str) -> dict:
+def run_child(checkout: Path, model_name: str, variant: str) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), str(ROOT)]),
                "TORCHINDUCTOR_CACHE_DIR": cache}
-        out = subprocess.run([sys.executable, __file__, "--child", model_name], env=env, capture_output=True,
-                             text=True, check=True)
+        out = subprocess.run([sys.executable, __file__, "--child", model_name, "--variants", variant], env=env,
+                             capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(LAYOUTS))
+    parser.add_argument("--variants", default="ffp,inductor")
     parser.add_argument("--checkouts", default="head=.", help="name=path,...: the package from each path")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child)))
+        print(json.dumps(measure(args.child, args.variants)))
         return
     checkouts = dict(item.split("=", 1) for item in args.checkouts.split(","))
+    cases = [(m, v, c) for m in args.models.split(",") for v in args.variants.split(",") for c in checkouts]
     runs = []
     for repeat in range(args.repeats):
-        for model_name in args.models.split(","):
-            for name, path in checkouts.items():
-                result = {"checkout": name, "repeat": repeat, **run_child(Path(path).resolve(), model_name)}
-                print(json.dumps(result), flush=True)
-                runs.append(result)
+        for model_name, variant, name in cases:
+            result = {"checkout": name, "repeat": repeat,
+                      **run_child(Path(checkouts[name]).resolve(), model_name, variant)}
+            print(json.dumps(result), flush=True)
+            runs.append(result)
     summary = []
-    for model_name in args.models.split(","):
-        for name in checkouts:
-            mine = [r for r in runs if r["model"] == model_name and r["checkout"] == name]
-            summary.append({"model": model_name, "checkout": name, "graph_pieces": mine[0]["graph_pieces"],
-                            "compiled_pieces": mine[0]["compiled_pieces"],
-                            "first_step_s_median": statistics.median(r["first_step_s"] for r in mine),
-                            "runs": [r["first_step_s"] for r in mine], "cut": all(r["cut"] for r in mine)})
+    for model_name, variant, name in cases:
+        mine = [r for r in runs if (r["model"], r["variant"], r["checkout"]) == (model_name, variant, name)]
+        summary.append({"model": model_name, "variant": variant, "checkout": name,
+                        "graph_pieces": mine[0]["graph_pieces"], "compiled_pieces": mine[0]["compiled_pieces"],
+                        "first_step_s_median": statistics.median(r["first_step_s"] for r in mine),
+                        "runs": [r["first_step_s"] for r in mine], "cut": [r["cut"] for r in mine]})
     for row in summary:
         print(row)
     if args.out:

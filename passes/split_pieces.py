@@ -33,6 +33,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.fx.passes.split_module import split_module
+from torch.utils._pytree import tree_map_only
 
 from fx_fastprefill.ops.schema import is_package_op
 
@@ -129,13 +130,16 @@ def _canonical_inputs(piece: GraphModule) -> None:
 def piece_signature(piece: GraphModule, static_input_idxs: Iterable[int]) -> tuple:
     """What a piece's compiled code depends on, names aside: each node's op, target and arguments
     (other nodes by position), its inputs' dtypes, sizes, strides and devices (the symbols of one
-    shape environment), which inputs are read in place, and the identity of any constant it reads.
+    shape environment), which inputs are read in place, and the identity of any constant it reads
+    (an attribute, or a tensor among the arguments).
     Two pieces with one signature can share one compiled function."""
     position: dict[Node, int] = {}
     ops = []
     for node in piece.graph.nodes:
         position[node] = len(position)
         args = map_arg((node.args, node.kwargs), lambda n: _Ref(position[n]))
+        # A tensor in the arguments by identity: its printed form elides values.
+        args = tree_map_only(torch.Tensor, lambda t: f"tensor@{id(t)}", args)
         if node.op == "placeholder":
             ops.append(("placeholder", _describe(node.meta.get("val"))))
         elif node.op == "get_attr":

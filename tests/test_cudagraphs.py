@@ -195,6 +195,11 @@ def test_piece_signatures_differ_by_what_the_code_depends_on_not_by_names():
     assert cudagraphs.piece_signature(piece(scale=3.0), []) != base
     assert cudagraphs.piece_signature(piece(dtype=torch.bfloat16), []) != base
     assert cudagraphs.piece_signature(piece(), [0]) != base
+    # Tensors among the arguments count by identity: printed, these two would look the same.
+    middle = torch.zeros(2000)
+    middle[1000] = 1.0
+    assert cudagraphs.piece_signature(piece(scale=torch.zeros(2000)), []) != cudagraphs.piece_signature(
+        piece(scale=middle), [])
 
 
 def test_bad_pad_sizes_and_seq_ids():

@@ -227,14 +227,14 @@ class PiecewiseRegion:
 
     def __init__(self, region: GraphModule, compiler: str, static_input_idxs: list[int],
                  record_fallback: Callable[[str], None], recorder: Recorder | None = None,
-                 pieces: tuple[GraphModule, list[PieceInfo]] | None = None, compiled: dict | None = None):
+                 pieces: tuple[GraphModule, list[PieceInfo]] | None = None, compiled_pieces: dict | None = None):
         """``pieces``: the region already split (the pipeline's ``pieces`` pass); else split here
-        (a graph compiled unchanged, which the pipeline did not finish). ``compiled``: pieces
+        (a graph compiled unchanged, which the pipeline did not finish). ``compiled_pieces``: pieces
         compiled so far in this shape environment, by their signature (shared by a program's
         regions); a piece equal to one of them is not compiled again."""
         inputs = placeholders(region)
         self.split, infos = pieces or split_pieces(region, static_input_idxs)
-        compiled = {} if compiled is None else compiled
+        compiled = {} if compiled_pieces is None else compiled_pieces
         self.key_sizes = self._key_sizes(inputs, infos)
         self.pieces: list[CUDAGraphPiece] = []
         static_inputs = {inputs[i].name for i in static_input_idxs}

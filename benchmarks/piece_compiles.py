@@ -4,7 +4,8 @@ The flat example at the layer layouts of ``prefill.py``'s models (Gemma 3n E2B: 
 10 reading earlier K/V; Gemma 4 E2B: 35 and 20) with small widths, compiled with piecewise CUDA
 graphs. The CPU has no graphs, so a stand-in recorder takes their place; the first step only warms
 up (it records nothing), so the split, the compiles and Inductor run as they do on the GPU. Each
-run is a fresh process with an empty Inductor cache (a cold start). Variants: ``ffp`` (the backend
+run is a fresh process with an empty Inductor cache (a cold start); ``--warm`` then runs a second
+process on the cache the first left (a restart: the program loads from the cache). Variants: ``ffp`` (the backend
 as above) and ``inductor`` (``backend="inductor"``: Inductor's first compile of the same model, no
 pieces, the baseline of the issue's "cold setup <= 1.2x Inductor"). ``--checkouts`` runs the same
 measurement with other checkouts of the package first on the path, interleaved run by run (an A/B
@@ -45,7 +46,7 @@ class _WarmUpOnly:
 
 
 def measure(model_name: str, variant: str) -> dict:
-    """One cold first step in this process: pieces, distinct compiles, seconds."""
+    """One first step in this process: pieces, distinct compiles, seconds."""
     import torch
     import fx_fastprefill
     from fx_fastprefill import SeqChunk
@@ -73,13 +74,17 @@ def measure(model_name: str, variant: str) -> dict:
             "pass_s": {k: round(v, 3) for k, v in report.pass_seconds.items()} if report else {}}
 
 
-def run_child(checkout: Path, model_name: str, variant: str) -> dict:
+def run_children(checkout: Path, model_name: str, variant: str, phases: list[str]) -> list[dict]:
+    """One process per phase on one fresh cache folder: cold, then (if asked) warm."""
+    results = []
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), str(ROOT)]),
                "TORCHINDUCTOR_CACHE_DIR": cache}
-        out = subprocess.run([sys.executable, __file__, "--child", model_name, "--variants", variant], env=env,
-                             capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        for phase in phases:
+            out = subprocess.run([sys.executable, __file__, "--child", model_name, "--variants", variant], env=env,
+                                 capture_output=True, text=True, check=True)
+            results.append({"phase": phase, **json.loads(out.stdout.strip().splitlines()[-1])})
+    return results
 
 
 def main() -> None:
@@ -88,6 +93,7 @@ def main() -> None:
     parser.add_argument("--variants", default="ffp,inductor")
     parser.add_argument("--checkouts", default="head=.", help="name=path,...: the package from each path")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warm", action="store_true", help="a second, warm process after each cold one")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -96,17 +102,19 @@ def main() -> None:
         return
     checkouts = dict(item.split("=", 1) for item in args.checkouts.split(","))
     cases = [(m, v, c) for m in args.models.split(",") for v in args.variants.split(",") for c in checkouts]
+    phases = ["cold", "warm"] if args.warm else ["cold"]
     runs = []
     for repeat in range(args.repeats):
         for model_name, variant, name in cases:
-            result = {"checkout": name, "repeat": repeat,
-                      **run_child(Path(checkouts[name]).resolve(), model_name, variant)}
-            print(json.dumps(result), flush=True)
-            runs.append(result)
+            for result in run_children(Path(checkouts[name]).resolve(), model_name, variant, phases):
+                result = {"checkout": name, "repeat": repeat, **result}
+                print(json.dumps(result), flush=True)
+                runs.append(result)
     summary = []
-    for model_name, variant, name in cases:
-        mine = [r for r in runs if (r["model"], r["variant"], r["checkout"]) == (model_name, variant, name)]
-        summary.append({"model": model_name, "variant": variant, "checkout": name,
+    for (model_name, variant, name), phase in [(case, phase) for case in cases for phase in phases]:
+        mine = [r for r in runs if (r["model"], r["variant"], r["checkout"], r["phase"]) ==
+                (model_name, variant, name, phase)]
+        summary.append({"model": model_name, "variant": variant, "checkout": name, "phase": phase,
                         "graph_pieces": mine[0]["graph_pieces"], "compiled_pieces": mine[0]["compiled_pieces"],
                         "first_step_s_median": statistics.median(r["first_step_s"] for r in mine),
                         "runs": [r["first_step_s"] for r in mine], "cut": [r["cut"] for r in mine]})

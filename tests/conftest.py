@@ -3,6 +3,7 @@ import tempfile
 
 import pytest
 import torch
+import torch._functorch.config  # read by a fixture below; nothing else may have imported it yet
 
 # Each test session compiles into caches of its own (Inductor's, AOTAutograd's), inherited by the
 # subprocesses tests start: a run never serves a program compiled by an earlier run.

@@ -14,6 +14,7 @@ imports; the compiles use ``compiler="eager"``.
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -117,8 +118,7 @@ def _flat_checks() -> dict:
                 tokens_equal=tokens == reference.generate(prompts, max_new_tokens=5))
 
 
-@pytest.fixture(scope="module")
-def hf_results(tmp_path_factory):
+def _run_all_checks(tmp_path_factory) -> list[dict]:
     checkpoints = {}
     for name, factory in _factories().items():
         torch.manual_seed(0)
@@ -126,6 +126,23 @@ def hf_results(tmp_path_factory):
         factory().save_pretrained(path)
         checkpoints[name] = str(path)
     return run_ranks(_rank_checks, WORLD, checkpoints)
+
+
+@pytest.fixture(scope="module")
+def hf_results(tmp_path_factory, request):
+    """The ranks' results, computed once per test session: under pytest-xdist the first worker to
+    get here runs the ranks and the others read its results (the two ranks already fill two cores)."""
+    worker = getattr(request.config, "workerinput", None)
+    if worker is None:
+        return _run_all_checks(tmp_path_factory)
+    from filelock import FileLock
+    shared = tmp_path_factory.getbasetemp().parent / "tensor_parallel_results.pkl"
+    with FileLock(f"{shared}.lock"):
+        if shared.is_file():
+            return pickle.loads(shared.read_bytes())
+        results = _run_all_checks(tmp_path_factory)
+        shared.write_bytes(pickle.dumps(results))
+        return results
 
 
 def _check_rank_results(per_rank: list[dict]) -> None:

@@ -60,12 +60,6 @@ def _is_view(node: Node) -> bool:
     return (isinstance(target, torch._ops.OpOverload) and target.is_view) or target in _SIZE_OPS
 
 
-def _inputs(node: Node) -> list[Node]:
-    found: list[Node] = []
-    map_arg((node.args, node.kwargs), found.append)
-    return found
-
-
 def split_pieces(region: GraphModule, static_input_idxs: Iterable[int] = ()) -> tuple[GraphModule, list[PieceInfo]]:
     """The region as a GraphModule calling its pieces in order, and what each piece is.
     ``static_input_idxs``: the region inputs read in place (their views stay in their pieces)."""
@@ -85,7 +79,7 @@ def split_pieces(region: GraphModule, static_input_idxs: Iterable[int] = ()) -> 
         run[node] = len(eager_runs) - 1
         if not eager and _is_view(node) and all(
                 (a.op == "placeholder" and a not in in_place) or a in lifted or run.get(a, run[node]) < run[node]
-                for a in _inputs(node)):
+                for a in node.all_input_nodes):
             lifted.add(node)
     if not run:
         raise ValueError("a region without call nodes has no pieces")

@@ -49,10 +49,13 @@ def _generate_model(name: str, device: str):
     import torch
     from benchmarks.hf_generate import build
     from examples import hf_gemma4
-    if name == "gemma4-tiny":
+    if name in ("gemma4-tiny", "gemma4-e2b-layout"):
         torch.manual_seed(0)
+        # the layout: Gemma 4 E2B's 35 layers (20 reading earlier K/V, one K/V head) at small widths
+        layout = dict(num_hidden_layers=35, num_kv_shared_layers=20, num_key_value_heads=1,
+                      layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7)
         with torch.device(device):
-            return hf_gemma4.tiny(num_hidden_layers=12, hand_slicing=False)
+            return hf_gemma4.tiny(**(layout if name == "gemma4-e2b-layout" else dict(num_hidden_layers=12)))
     model = build(name, device)  # Gemma 4 with its hand slicing off, as hf_generate.py's compiled variants
     return hf_gemma4.without_hand_slicing(model) if name.startswith("gemma4") else model
 
@@ -122,7 +125,9 @@ def child(args) -> dict:
     record["compile_s"] = sum(sum(compilation_time_metrics.get(key, []))
                               for key in ("_compile.compile_inner", "fullgraph_capture"))
     record["caches"] = {f"{group}.{k}": v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
-                        if "cache" in k}
+                        if "cache" in k or "triton_bundler" in k}
+    # every phase torch timed (Triton kernels loaded from the bundle or compiled, code loaded, ...), seconds
+    record["timed"] = {key: round(sum(times), 4) for key, times in compilation_time_metrics.items()}
     return record
 
 
@@ -180,7 +185,7 @@ def main() -> None:
                     record = {"model": model, "device": args.device, "shape": shape, "variant": variant,
                               "phase": phase}
                     record.update(json.loads(lines[-1][len("RECORD "):]) if lines else {"error": proc.stderr[-3000:]})
-                    print(json.dumps({k: v for k, v in record.items() if k != "caches"}), flush=True)
+                    print(json.dumps({k: v for k, v in record.items() if k not in ("caches", "timed")}), flush=True)
                     records.append(record)
                     if args.out:
                         meta = {"argv": sys.argv[1:], "python": sys.version.split()[0]}

@@ -2,7 +2,7 @@
 smallest Gemma 4, greedy ``generate`` on random batches, tokens compared with the model without
 the pass; prints what was traced, loaded and compiled as JSON (the last line of stdout).
 
-    python -m tests.precompile_child FOLDER --batches 1,2 [--device cuda] [--dynamic-cache]
+    python -m tests.precompile_child FOLDER --batches 1,2 [--device cuda] [--decode-backend eager] [--dynamic-cache]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--decode-backend", default="inductor")
     parser.add_argument("--dynamic-cache", action="store_true", help="then one generate with a DynamicCache passed in")
     args = parser.parse_args()
     import fx_fastprefill
@@ -30,7 +31,7 @@ def main() -> None:
         model = hf_gemma4.smallest().to(dtype).eval()
         reference = hf_gemma4.smallest().to(dtype).eval()
     reference.load_state_dict(model.state_dict())
-    fx_fastprefill.compile_for_generate(model, precompile=args.folder)
+    fx_fastprefill.compile_for_generate(model, precompile=args.folder, decode_backend=args.decode_backend)
     torch.manual_seed(args.seed)
     greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     equal = []

@@ -21,11 +21,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--decode-backend", default="inductor")
     parser.add_argument("--dynamic-cache", action="store_true", help="then one generate with a DynamicCache passed in")
+    parser.add_argument("--weights-seed", type=int, default=0, help="the model's random weights")
     args = parser.parse_args()
     import fx_fastprefill
     from examples import hf_gemma4
     from torch._dynamo.utils import counters
-    torch.manual_seed(0)
+    torch.manual_seed(args.weights_seed)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     with torch.device(args.device):
         model = hf_gemma4.smallest().to(dtype).eval()

@@ -17,6 +17,7 @@ def main() -> None:
     parser.add_argument("--compiler", default="inductor")
     parser.add_argument("--save-artifacts", help="write torch.compiler.save_cache_artifacts() here after the run")
     parser.add_argument("--load-artifacts", help="torch.compiler.load_cache_artifacts() from here first")
+    parser.add_argument("--weights-seed", type=int, default=0, help="the model's random weights")
     args = parser.parse_args()
     if args.load_artifacts:
         with open(args.load_artifacts, "rb") as f:
@@ -24,7 +25,7 @@ def main() -> None:
     import fx_fastprefill
     from torch._dynamo.utils import counters
     from examples import hf_gemma4
-    torch.manual_seed(0)
+    torch.manual_seed(args.weights_seed)
     model = hf_gemma4.smallest()
     backend = fx_fastprefill.backend(compiler=args.compiler)
     compiled = torch.compile(model, backend=backend, dynamic=True)

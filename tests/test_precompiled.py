@@ -44,7 +44,8 @@ def _restart(tmp_path: Path, device: str) -> None:
     # torch 2.11's C++ Inductor miscompiles this model's DynamicCache prefill with or without the
     # package (an undeclared temporary in the generated code): that step needs 2.13 on the CPU.
     dynamic_cache = device == "cuda" or torch.__version__ >= "2.13"
-    warm = _child(cache, folder, "--batches", "1,3,2", "--seed", "2", *decode,
+    # Other weights (a checkpoint of the same model): the saved functions read the model's parameters.
+    warm = _child(cache, folder, "--batches", "1,3,2", "--seed", "2", "--weights-seed", "3", *decode,
                   *(["--dynamic-cache"] if dynamic_cache else []))
     # Files load as calls need them: batch 1 runs the first function of each path, batch 3 the second.
     assert warm["loaded_by_the_first_generate"] == {"prefill": 1, "decode": 1}, warm

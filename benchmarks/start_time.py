@@ -20,8 +20,11 @@ the clock starts (weights in memory); what is timed is what a user waits for aft
 Records ``{model, device, variant, phase, first_output_s, compile_s, capture_s}`` (``compile_s``:
 Dynamo's own compile time, every graph; ``capture_s``: the Runner's capture) plus the cache
 counters. Every process runs with PYTHONHASHSEED=0 (Gemma 4's graph follows a set's order).
-``--profile DIR`` runs each process under cProfile and writes its 80 most expensive calls
-(cumulative) to ``DIR/<model>-<variant>-<phase>.txt``: where a start's seconds go.
+Each record also holds ``timed``: the seconds of every phase torch times (``dynamo_timed``: Dynamo's
+trace, AOT, Inductor, loading compiled code and Triton kernels). ``--profile DIR`` adds a third
+process per variant, a warm one under cProfile (its record's phase ``warm_profiled``; the profiler
+slows it, so the ``warm`` record stays the number), and writes its 80 most expensive calls
+(cumulative) to ``DIR/<model>-<variant>-warm_profiled.txt``: where a warm start's seconds go.
 
     PYTHONPATH=. python3 benchmarks/start_time.py --models gemma4-e2b,gemma3n-e2b,runner-gemma3n-e2b \\
         --out benchmarks/results/DATE-h200-start-time.json
@@ -174,12 +177,12 @@ def main() -> None:
         variants = RUNNER_VARIANTS if model.startswith("runner-") else GENERATE_VARIANTS
         for variant in [v for v in variants if args.variants is None or v in args.variants.split(",")]:
             with tempfile.TemporaryDirectory() as cache_dir:
-                for phase in ("cold", "warm"):
+                for phase in ("cold", "warm", *(["warm_profiled"] if args.profile else [])):
                     env = dict(os.environ, PYTHONHASHSEED="0", TORCHINDUCTOR_CACHE_DIR=cache_dir,
                                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
                     cmd = [sys.executable, __file__, "--child", "--model", model, "--variant", variant,
                            "--device", args.device, "--shape", shape, "--phase", phase,
-                           *(["--profile", args.profile] if args.profile else [])]
+                           *(["--profile", args.profile] if phase == "warm_profiled" else [])]
                     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                     lines = [x for x in proc.stdout.splitlines() if x.startswith("RECORD ")]
                     record = {"model": model, "device": args.device, "shape": shape, "variant": variant,

@@ -19,12 +19,14 @@ the clock starts (weights in memory); what is timed is what a user waits for aft
 
 Records ``{model, device, variant, phase, first_output_s, compile_s, capture_s}`` (``compile_s``:
 Dynamo's own compile time, every graph; ``capture_s``: the Runner's capture) plus the cache
-counters. Every process runs with PYTHONHASHSEED=0 (Gemma 4's graph follows a set's order).
+counters. Every process runs with PYTHONHASHSEED=0 (Gemma 4's graph follows a set's order) and
+writes bytecode caches as Python does by default (PYTHONDONTWRITEBYTECODE removed).
 Each record also holds ``timed``: the seconds of every phase torch times (``dynamo_timed``: Dynamo's
 trace, AOT, Inductor, loading compiled code and Triton kernels). ``--profile DIR`` adds a third
-process per variant, a warm one under cProfile (its record's phase ``warm_profiled``; the profiler
-slows it, so the ``warm`` record stays the number), and writes its 80 most expensive calls
-(cumulative) to ``DIR/<model>-<variant>-warm_profiled.txt``: where a warm start's seconds go.
+process per variant, a warm one with cProfile over the timed window (its record's phase
+``warm_profiled``; the profiler slows it, so the ``warm`` record stays the number), and writes its
+most expensive calls, by cumulative and by own time, to ``DIR/<model>-<variant>-warm_profiled.txt``:
+where a warm start's seconds go.
 
     PYTHONPATH=. python3 benchmarks/start_time.py --models gemma4-e2b,gemma3n-e2b,runner-gemma3n-e2b \\
         --out benchmarks/results/DATE-h200-start-time.json
@@ -46,6 +48,22 @@ ROOT = Path(__file__).resolve().parents[1]
 GENERATE_VARIANTS = ("plain_dynamic", "plain_static", "ffp", "ffp_precompiled")
 RUNNER_VARIANTS = ("inductor", "plain", "ffp")
 SMOKE_MODELS = ("gemma4-tiny", "runner-tiny")
+
+
+PROFILER = None  # a child's cProfile.Profile under --profile: it runs over the timed window only
+
+
+def _clock_starts() -> float:
+    if PROFILER is not None:
+        PROFILER.enable()
+    return time.perf_counter()
+
+
+def _clock_stops(start: float) -> float:
+    seconds = time.perf_counter() - start
+    if PROFILER is not None:
+        PROFILER.disable()
+    return seconds
 
 
 def _generate_model(name: str, device: str):
@@ -72,7 +90,7 @@ def _first_generate(args) -> dict:
         model.to(torch.bfloat16)
     batch, seq = (int(x) for x in args.shape.split("x"))
     ids = torch.randint(3, model.config.get_text_config().vocab_size, (batch, seq), device=args.device)
-    start = time.perf_counter()
+    start = _clock_starts()
     if args.variant.startswith("ffp"):
         fx_fastprefill.compile_for_generate(model, precompile=args.variant == "ffp_precompiled")
     else:  # the same dispatch, the prefill under plain torch.compile
@@ -85,7 +103,7 @@ def _first_generate(args) -> dict:
                        pad_token_id=0, cache_implementation="static")
     if args.device == "cuda":
         torch.cuda.synchronize()
-    record = {"first_output_s": time.perf_counter() - start, "capture_s": 0.0}
+    record = {"first_output_s": _clock_stops(start), "capture_s": 0.0}
     handle = getattr(model, "fx_fastprefill", None)
     if handle is not None:
         record["cut"] = all(r.cut for r in handle.reports)
@@ -104,7 +122,7 @@ def _first_step(args) -> dict:
     with torch.device(args.device):
         model = Gemma3nLike(cfg).to(dtype)
     batch, seq = (int(x) for x in args.shape.split("x"))
-    start = time.perf_counter()
+    start = _clock_starts()
     graphs = args.device == "cuda" and args.variant != "inductor"
     backend = "inductor" if args.variant == "inductor" else \
         fx_fastprefill.backend(fast_prefill=args.variant == "ffp", cudagraphs=graphs)
@@ -114,7 +132,7 @@ def _first_step(args) -> dict:
     runner.prefill([[3 + (i * 7 + j) % (cfg.vocab_size - 3) for j in range(seq)] for i in range(batch)])
     if args.device == "cuda":
         torch.cuda.synchronize()
-    record = {"first_output_s": time.perf_counter() - start, "capture_s": capture_s}
+    record = {"first_output_s": _clock_stops(start), "capture_s": capture_s}
     if runner.report is not None:
         record["cut"] = runner.report.cut
     return record
@@ -135,14 +153,19 @@ def child(args) -> dict:
 
 
 def profile_child(args) -> None:
-    """:func:`child` under cProfile; the listing goes to ``args.profile``, the record to stdout."""
+    """:func:`child` with cProfile over its timed window (not the model's build or the imports
+    before it); the listing (by cumulative, then by own time) goes to ``args.profile``, the record
+    to stdout."""
     import cProfile
     import io
     import pstats
-    profiler = cProfile.Profile()
-    record = profiler.runcall(child, args)
+    global PROFILER
+    PROFILER = cProfile.Profile()
+    record = child(args)
+    record["dont_write_bytecode"] = sys.dont_write_bytecode  # each import compiles its source again
     listing = io.StringIO()
-    pstats.Stats(profiler, stream=listing).sort_stats("cumulative").print_stats(80)
+    pstats.Stats(PROFILER, stream=listing).sort_stats("cumulative").print_stats(80)
+    pstats.Stats(PROFILER, stream=listing).sort_stats("tottime").print_stats(40)
     folder = Path(args.profile)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{args.model}-{args.variant}-{args.phase}.txt").write_text(listing.getvalue())
@@ -180,6 +203,10 @@ def main() -> None:
                 for phase in ("cold", "warm", *(["warm_profiled"] if args.profile else [])):
                     env = dict(os.environ, PYTHONHASHSEED="0", TORCHINDUCTOR_CACHE_DIR=cache_dir,
                                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+                    # Python's default: a module imported without a .pyc is compiled once and cached,
+                    # not at every start (set in these sandboxes, it made every warm process compile
+                    # the sources of packages installed without bytecode)
+                    env.pop("PYTHONDONTWRITEBYTECODE", None)
                     cmd = [sys.executable, __file__, "--child", "--model", model, "--variant", variant,
                            "--device", args.device, "--shape", shape, "--phase", phase,
                            *(["--profile", args.profile] if phase == "warm_profiled" else [])]

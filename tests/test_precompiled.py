@@ -67,7 +67,8 @@ def test_a_warm_generate_loads_both_paths_and_traces_nothing(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_warm_generate_on_the_gpu_loads_both_paths(tmp_path):
-    """bf16, the decode with CUDA graphs (Inductor's reduce-overhead) loaded from its file."""
+    """The decode with CUDA graphs (Inductor's reduce-overhead) loaded from its file (fp32: the
+    tokens are compared with eager's)."""
     _restart(tmp_path, "cuda")
 
 

@@ -204,8 +204,8 @@ def main() -> None:
                     env = dict(os.environ, PYTHONHASHSEED="0", TORCHINDUCTOR_CACHE_DIR=cache_dir,
                                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
                     # Python's default: a module imported without a .pyc is compiled once and cached,
-                    # not at every start (set in these sandboxes, it made every warm process compile
-                    # the sources of packages installed without bytecode)
+                    # not at every start (where the variable is set, every process compiles again the
+                    # sources of packages installed without bytecode)
                     env.pop("PYTHONDONTWRITEBYTECODE", None)
                     cmd = [sys.executable, __file__, "--child", "--model", model, "--variant", variant,
                            "--device", args.device, "--shape", shape, "--phase", phase,

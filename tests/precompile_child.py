@@ -25,7 +25,13 @@ def main() -> None:
     args = parser.parse_args()
     import fx_fastprefill
     from examples import hf_gemma4
-    from torch._dynamo.utils import counters
+    from fx_fastprefill.compilation import compile_graph
+    from torch._dynamo.utils import compilation_time_metrics, counters
+    # The tag each compiled graph's kernels are reloaded under: Inductor keys their autotuning
+    # results with it, so it must be the tag they were compiled under (the backend's).
+    reload_tags = []
+    reload = compile_graph._reload
+    compile_graph._reload = lambda graph: reload_tags.append(torch.compiler.config.cache_key_tag) or reload(graph)
     torch.manual_seed(args.weights_seed)
     # fp32 on either device: greedy tokens are compared, and a random model's logits are close
     # enough together that bf16's rounding alone flips some of them.
@@ -58,6 +64,9 @@ def main() -> None:
         "failed": {p: f.failed for p, f in handle.forward.precompiled.items()},
         "cut": [r.cut for r in handle.reports], "from_cache": [r.from_cache for r in handle.reports],
         "fallbacks": dict(handle.backend.fallbacks), "summary": handle.summary(),
+        "reload_tags_are_the_backends": sorted({tag == handle.backend.cache_tag for tag in reload_tags}),
+        # kernels tuned at their first launch (on CUDA): a warm start finds the cold one's results
+        "autotuned": len(compilation_time_metrics.get("CachingAutotuner.benchmark_all_configs", [])),
     }
     if args.dynamic_cache:  # a cache from an earlier call: another prefill graph, by guard miss
         from transformers import DynamicCache

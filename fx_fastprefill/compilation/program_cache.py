@@ -59,6 +59,10 @@ class ProgramCode(OutputCode):
         self.program: CompiledProgram | None = program
         self.report: FastPrefillReport | None = report
         self.groups, self.fingerprint = groups, fingerprint  # what the ranks compare (compilation/spmd.py)
+        # Inductor keys a kernel's autotuning result with the tag in effect when the kernel is
+        # loaded: the program reloads its kernels under the tag they were compiled (and tuned) under,
+        # whoever loads it (the backend's cache hit, or a precompiled function, outside the backend).
+        self.cache_key_tag = torch.compiler.config.cache_key_tag
         self._pickled: bytes | None = None
 
     def __call__(self, inputs: list) -> list:
@@ -73,7 +77,8 @@ class ProgramCode(OutputCode):
     def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
         """A cache hit: the program unpickled (its compiled graphs reloaded) and handed to the loader."""
         if self.program is None:
-            self.program, self.report = pickle.loads(self._pickled)
+            with torch.compiler.config.patch(cache_key_tag=self.cache_key_tag):
+                self.program, self.report = pickle.loads(self._pickled)
             self._pickled = None
         loader = LOADER.get()
         if loader is not None:

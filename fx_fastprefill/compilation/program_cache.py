@@ -60,8 +60,9 @@ class ProgramCode(OutputCode):
         self.report: FastPrefillReport | None = report
         self.groups, self.fingerprint = groups, fingerprint  # what the ranks compare (compilation/spmd.py)
         # Inductor keys a kernel's autotuning result with the tag in effect when the kernel is
-        # loaded: the program reloads its kernels under the tag they were compiled (and tuned) under,
-        # whoever loads it (the backend's cache hit, or a precompiled function, outside the backend).
+        # loaded: the program reloads its kernels under the tag they were compiled (and tuned) under
+        # (the user's, compilation/backend.py), whoever loads it (the backend's cache hit, under the
+        # program's tag, or a precompiled function).
         self.cache_key_tag = torch.compiler.config.cache_key_tag
         self._pickled: bytes | None = None
 

@@ -15,7 +15,8 @@ the clock starts (weights in memory); what is timed is what a user waits for aft
   them): ``Runner(...)``, ``capture()`` (with CUDA graphs, on CUDA) and one prefill step. Variants:
   ``inductor`` (``backend="inductor"``, no graphs to capture: Inductor's first compile of the same
   model, the issue's baseline), ``plain`` (``fx_fastprefill.backend(fast_prefill=False)``: the same
-  regions and graphs without the cut) and ``ffp``.
+  regions and graphs without the cut), ``ffp`` and ``ffp_precompiled`` (``Runner(precompile=True)``:
+  the compiled model saved whole; the warm process loads it without Dynamo).
 
 Records ``{model, device, variant, phase, first_output_s, compile_s, capture_s}`` (``compile_s``:
 Dynamo's own compile time, every graph; ``capture_s``: the Runner's capture) plus the cache
@@ -46,7 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATE_VARIANTS = ("plain_dynamic", "plain_static", "ffp", "ffp_precompiled")
-RUNNER_VARIANTS = ("inductor", "plain", "ffp")
+RUNNER_VARIANTS = ("inductor", "plain", "ffp", "ffp_precompiled")
 SMOKE_MODELS = ("gemma4-tiny", "runner-tiny")
 
 
@@ -125,9 +126,10 @@ def _first_step(args) -> dict:
     start = _clock_starts()
     graphs = args.device == "cuda" and args.variant != "inductor"
     backend = "inductor" if args.variant == "inductor" else \
-        fx_fastprefill.backend(fast_prefill=args.variant == "ffp", cudagraphs=graphs)
+        fx_fastprefill.backend(fast_prefill=args.variant.startswith("ffp"), cudagraphs=graphs)
     runner = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=batch * seq, max_model_len=seq + 16,
-                                   max_num_seqs=batch, device=args.device, dtype=dtype)
+                                   max_num_seqs=batch, device=args.device, dtype=dtype,
+                                   precompile=args.variant == "ffp_precompiled")
     capture_s = runner.capture(progress=False) if graphs else 0.0
     runner.prefill([[3 + (i * 7 + j) % (cfg.vocab_size - 3) for j in range(seq)] for i in range(batch)])
     if args.device == "cuda":

@@ -10,14 +10,17 @@ prefill, chunked prefill and decode mix freely. The model sees
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from ..compilation import precompiled
 from ..compilation.dynamic_shapes import compile_for_varying_sizes, varying_sizes
 from ..fallbacks import FallbackCounter
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
@@ -61,12 +64,17 @@ class Runner:
     ``MAX_ROWS_PER_REQUEST`` draft rows per request) runs as one whole-step graph, padded up to
     one of these row counts (runtime/whole_step_graphs.py); default: the step sizes up to the one
     that holds ``max_num_seqs`` rows; ``()`` turns them off. ``step_counts`` counts the steps of each kind.
+
+    ``precompile``: save the compiled model whole (Dynamo's trace included) and load it in the
+    next process, which then starts without tracing or compiling (compilation/precompiled.py):
+    True for a folder in Inductor's cache folder, or a folder of your own. ``precompiled`` is then
+    the saved path (what it loaded and compiled).
     """
 
     def __init__(self, model: nn.Module, *, backend: Any = None, max_num_tokens: int, max_model_len: int = 4096,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_num_seqs: int = 8,
                  logits_pad_sizes: Sequence[int] | None = None, token_pad_sizes: Sequence[int] | None = None,
-                 whole_step_sizes: Sequence[int] | None = None):
+                 whole_step_sizes: Sequence[int] | None = None, precompile: bool | str | os.PathLike = False):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
         if not isinstance(max_model_len, int) or max_model_len < 1:
@@ -94,7 +102,15 @@ class Runner:
         elif whole_step_sizes and self._recorder is None:
             raise ValueError("whole_step_sizes needs CUDA graphs: a backend made with cudagraphs=True, on CUDA")
         self.whole_step_sizes = check_sizes("whole_step_sizes", whole_step_sizes, max_num_tokens)
+        if not isinstance(precompile, (bool, str, os.PathLike)):
+            raise TypeError(f"precompile must be a bool or a folder, got {precompile!r}")
+        if precompile and self.backend is None:
+            raise ValueError("precompile needs a compiled model (backend=...)")
         self._forward: Callable = model if self.backend is None else compile_for_varying_sizes(model, self.backend)
+        self.precompiled: precompiled.PrecompiledFunction | None = None
+        if precompile:
+            folder = precompiled.default_folder() if precompile is True else Path(precompile)
+            self.precompiled = self._forward = self._precompiled_forward(folder)
         self._requests: dict[int, Request] = {}
         self._step_id = 0
         self.step_counts: Counter[str] = Counter()  # steps by graph mode (ops/step_context.py: GRAPH_MODES)
@@ -139,6 +155,16 @@ class Runner:
             return None
         from ..compilation.cudagraphs import CUDAGraphRecorder
         return CUDAGraphRecorder()
+
+    def _precompiled_forward(self, folder: Path) -> precompiled.PrecompiledFunction:
+        """The model's forward through functions saved in ``folder``, with the compiled model as
+        the fallback; keyed by the backend's cache tag (a backend named by a string: the name)."""
+        tag = self.backend if isinstance(self.backend, str) else getattr(self.backend, "cache_tag", None)
+        return precompiled.PrecompiledFunction(
+            self.model.forward, name="runner", folder=folder, options_key=repr(("runner", tag)),
+            compile_options={"backend": self.backend, "dynamic": True}, fallback=self._forward,
+            record_fallback=self._record_fallback, loader=getattr(self.backend, "adopt_loaded", None),
+            keyable=tag is not None)
 
     def _record_fallback(self, reason: str) -> None:
         if self.fallbacks is not None:

@@ -27,7 +27,7 @@ RANKS_DISAGREE = "the ranks did not agree on one cut: compiled unchanged"
 # this torch lacks the API, or a pass of the pipeline has no readable source to key it by.
 NO_PROGRAM_CACHE = ("the compiled program cannot be cached (torch API missing, or a pass without source): "
                     "compiled uncached")
-# Compile-time, compile_for_generate(precompile=...): a path saved and loaded whole
+# Compile-time, compile_for_generate(precompile=...) and Runner(precompile=...): a path saved and loaded whole
 # (compilation/precompiled.py).
 PRECOMPILE_UNAVAILABLE = ("precompiling asked for, but this torch has no aot_compile or the backend's program cannot "
                           "be keyed: the path compiles through torch.compile")

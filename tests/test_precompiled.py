@@ -5,6 +5,8 @@ saved whole and loaded by the next process.
   warm one on the same folder loads them, traces nothing, is cut, and generates the tokens of the
   model without the pass at new prompt lengths; a cache passed in from an earlier call misses the
   prefill's guards and compiles another, counted. (Subprocesses: what is tested is a restart.)
+- ``Runner(precompile=...)``: a warm process loads the model's saved graph, traces nothing,
+  replays the steps of the model without the pass.
 - In one process: the key follows the model's config, dtype and the options; a file that does not
   load is skipped, counted; a backend that cannot be keyed does not precompile, counted.
 """
@@ -74,6 +76,30 @@ def test_a_warm_generate_on_the_gpu_loads_both_paths(tmp_path):
     """The decode with CUDA graphs (Inductor's reduce-overhead) loaded from its file (fp32: the
     tokens are compared with eager's)."""
     _restart(tmp_path, "cuda")
+
+
+def test_a_warm_runner_loads_its_model_and_traces_nothing(tmp_path):
+    """``Runner(precompile=...)``: the cold process compiles and saves the model's one graph (every
+    step size, piecewise graphs with the stand-in recorder); the warm one, with other weights,
+    loads it, traces nothing, is cut, and replays the steps of the model without the pass."""
+    folder = str(tmp_path / "precompiled")
+    cold = run_child("tests.runner_precompile_child", tmp_path / "cache", folder)
+    assert (cold["loaded"], cold["compiled"], cold["graphs"], cold["from_cache"]) == (0, 1, 1, False), cold
+    warm = run_child("tests.runner_precompile_child", tmp_path / "cache", folder, "--weights-seed", "3")
+    assert (warm["loaded"], warm["compiled"], warm["graphs"], warm["failed"]) == (1, 0, 0, None), warm
+    assert warm["cut"] and warm["from_cache"] and warm["replays"] > 0, warm
+    # The same fallbacks as the cold run (graph warm-ups), no precompile fallback among them.
+    assert warm["fallbacks"] == cold["fallbacks"] and not any("precompile" in r for r in warm["fallbacks"]), warm
+    for run in (cold, warm):
+        assert run["max_abs_err"] < 1e-5, run
+
+
+def test_a_runner_precompiles_only_a_compiled_model(tmp_path):
+    from examples.gemma3n import tiny
+    with pytest.raises(ValueError, match="precompile needs a compiled model"):
+        fx_fastprefill.Runner(tiny(), max_num_tokens=16, precompile=tmp_path)
+    with pytest.raises(TypeError, match="precompile must be a bool or a folder"):
+        fx_fastprefill.Runner(tiny(), backend="inductor", max_num_tokens=16, precompile=3)
 
 
 def test_the_key_follows_the_config_dtype_and_options():

@@ -29,8 +29,8 @@ NO_PROGRAM_CACHE = ("the compiled program cannot be cached (torch API missing, o
                     "compiled uncached")
 # Compile-time, compile_for_generate(precompile=...) and Runner(precompile=...): a path saved and loaded whole
 # (compilation/precompiled.py).
-PRECOMPILE_UNAVAILABLE = ("precompiling asked for, but this torch has no aot_compile or the backend's program cannot "
-                          "be keyed: the path compiles through torch.compile")
+PRECOMPILE_UNAVAILABLE = ("precompiling asked for, but this torch has no aot_compile, the backend's program cannot "
+                          "be keyed or the model runs on several ranks: the path compiles through torch.compile")
 PRECOMPILE_FAILED = ("precompiling a path failed (a graph break, or its compile could not be saved): it compiles "
                      "through torch.compile from now on")
 PRECOMPILED_LOAD_FAILED = "a saved precompiled function could not be loaded: skipped"

@@ -14,13 +14,15 @@ imports; the compiles use ``compiler="eager"``.
 from __future__ import annotations
 
 import copy
+import os
 import pickle
+import tempfile
 
 import pytest
 import torch
 
 import fx_fastprefill
-from fx_fastprefill.fallbacks import RANKS_DISAGREE
+from fx_fastprefill.fallbacks import PRECOMPILE_UNAVAILABLE, RANKS_DISAGREE
 from fx_fastprefill.compilation.spmd import DISAGREE
 from tests.distributed import run_ranks
 
@@ -106,12 +108,17 @@ def _flat_checks() -> dict:
     model = apply_tensor_parallel(copy.deepcopy(full))
     prompts = [[(7 * i + j) % 500 + 1 for j in range(12 + 3 * i)] for i in range(3)]
     backend = fx_fastprefill.backend(compiler="eager")
-    runner = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=64)
+    # Precompiling is refused on several ranks (a loaded function would skip the ranks' check):
+    # the Runner compiles through torch.compile as without it, counted.
+    folder = tempfile.mkdtemp()
+    runner = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=64, precompile=folder)
     reference = fx_fastprefill.Runner(full, backend="eager", max_num_tokens=64)
     logits, expected = runner.prefill(prompts), reference.prefill(prompts)
     tokens = runner.generate(prompts, max_new_tokens=5)
     prefill_report = backend.reports[0]
-    return dict(cut=prefill_report.cut, reason=prefill_report.reason, summary=prefill_report.summary(),
+    return dict(precompile_refused=runner.precompiled.failed, files=os.listdir(folder),
+                fallbacks=dict(backend.fallbacks),
+                cut=prefill_report.cut, reason=prefill_report.reason, summary=prefill_report.summary(),
                 ranks=prefill_report.ranks, shared=[a.layer for a in prefill_report.attention_layers if a.kv_source],
                 eligible=prefill_report.eligible_layers, reduced=prefill_report.reduced_layers,
                 err_vs_single=_rel_err(logits, expected),
@@ -178,3 +185,9 @@ def test_ranks_that_plan_different_cuts_all_compile_unchanged(hf_results):
 
 def test_flat_model_sharded_by_hand_is_cut_on_every_rank(hf_results):
     _check_rank_results([r["flat"] for r in hf_results])
+
+
+def test_precompiling_is_refused_on_several_ranks(hf_results):
+    for rank, result in enumerate(r["flat"] for r in hf_results):
+        assert "runs on 2 ranks" in result["precompile_refused"], rank
+        assert result["files"] == [] and result["fallbacks"].get(PRECOMPILE_UNAVAILABLE) == 1, (rank, result)

@@ -18,7 +18,8 @@ model has now.
 
 Private torch APIs (written against torch 2.11 and 2.13); where one is missing or a compile cannot
 be saved (a graph break, an object that does not pickle), the path compiles through
-``torch.compile`` as without precompiling (counted, logged).
+``torch.compile`` as without precompiling (counted, logged). So does a model on several ranks
+(tensor parallel): a loaded function would skip the ranks' agreement on one cut.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def available() -> bool:
     """This torch can compile ahead of time, save and load."""
     return hasattr(torch.compiler, "load_compiled_function") and \
         importlib.util.find_spec("torch._dynamo.aot_compile") is not None
+
+
+def _ranks() -> int:
+    """The default process group's size; 1 without torch.distributed."""
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def default_folder() -> Path:
@@ -256,6 +263,11 @@ class PrecompiledFunction:
             self._give_up(fallbacks.PRECOMPILE_UNAVAILABLE, f"torch {torch.__version__} has no aot_compile")
         elif not keyable:
             self._give_up(fallbacks.PRECOMPILE_UNAVAILABLE, "the compile's backend cannot be keyed")
+        elif (ranks := _ranks()) > 1:
+            # A loaded function skips the backend, so the ranks would not compare their cuts
+            # (compilation/spmd.py), and a rank could load a file another rank saved, with that
+            # rank's shard offsets in its graph.
+            self._give_up(fallbacks.PRECOMPILE_UNAVAILABLE, f"the model runs on {ranks} ranks (tensor parallel)")
         else:
             self.unloaded = sorted(self.folder.glob(f"{self.name}-{self.key}-*.bin"), key=lambda p: p.stat().st_mtime)
 

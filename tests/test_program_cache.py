@@ -116,6 +116,42 @@ def test_a_changed_source_changes_the_key(tmp_path):
     assert len({before, program_cache.digest_sources(roots)}) == 2
 
 
+def test_regions_are_keyed_by_the_package_sources_and_compiled_under_the_users_tag(tmp_path, monkeypatch):
+    """A region's Inductor graph is keyed with the package's sources (not its cache tag, which
+    Inductor would also key the kernels' autotuning with): another digest is an FX graph cache
+    miss, the same digest a hit; a user's custom post-grad pass still runs and keys too."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from fx_fastprefill.compilation.compile_graph import inductor
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    gm = make_fx(lambda x: (torch.relu(x) * 2,))(torch.randn(8))
+    example = [FakeTensorMode(shape_env=ShapeEnv()).from_tensor(torch.randn(8))]  # as a region's inputs are
+    tags = []
+
+    class UsersPass(CustomGraphPass):
+        def __call__(self, graph):
+            tags.append(torch.compiler.config.cache_key_tag)
+
+        def uuid(self):
+            return "the user's pass"
+
+    def compile_with(digest: str) -> str:
+        monkeypatch.setattr(program_cache, "package_digest", lambda: digest)
+        before = dict(counters["inductor"])
+        with torch.compiler.config.patch(cache_key_tag="the program's tag"), \
+                torch._inductor.config.patch(post_grad_custom_post_pass=UsersPass()), \
+                program_cache.compiling_regions("a user's tag"):
+            inductor(gm, example, ())
+        return next(k for k in ("fxgraph_cache_miss", "fxgraph_cache_hit")
+                    if counters["inductor"][k] > before.get(k, 0))
+    assert [compile_with(d) for d in ("one", "two", "one")] == ["fxgraph_cache_miss", "fxgraph_cache_miss",
+                                                                 "fxgraph_cache_hit"]
+    assert tags == ["a user's tag"] * 2  # the user's pass ran in each compile (not on the hit)
+
+
 def test_options_and_passes_change_the_key():
     tags = {program_cache.cache_key_tag(dict(compiler=c, narrow_slices=n), PIPELINE)
             for c in ("eager", "inductor") for n in (True, False)}

@@ -163,13 +163,7 @@ class FastPrefillBackend:
         users_tag = torch.compiler.config.cache_key_tag
 
         def compile_program(aten: GraphModule, inputs: Sequence[Any]) -> ProgramCode:
-            # The regions and pieces go through Inductor's FX graph cache (which bundling turns off):
-            # a new program reuses the graphs an earlier one compiled. They are keyed with the user's
-            # tag, not the program's: Inductor keys a kernel's autotuning result with the tag, and its
-            # compile workers, which do not see a tag set in this process, key theirs without it; a
-            # kernel compiled here must be keyed as theirs are for a warm start to find its tuning.
-            with torch._functorch.config.patch(bundled_autograd_cache=False), \
-                    torch.compiler.config.patch(cache_key_tag=users_tag):
+            with program_cache.compiling_regions(users_tag):
                 programs.append(self._compile_aten(aten, inputs))
             return programs[-1]
 

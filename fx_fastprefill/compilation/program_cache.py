@@ -45,6 +45,7 @@ try:
 except ImportError:  # a torch without the serializable compiler API: compiled uncached
     SerializableAOTDispatchCompiler = None
     OutputCode = object
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 # Set by the backend while AOTAutograd runs: called with each ProgramCode loaded from the cache.
 LOADER: contextvars.ContextVar[Callable[["ProgramCode"], None] | None] = contextvars.ContextVar(
@@ -61,8 +62,8 @@ class ProgramCode(OutputCode):
         self.groups, self.fingerprint = groups, fingerprint  # what the ranks compare (compilation/spmd.py)
         # Inductor keys a kernel's autotuning result with the tag in effect when the kernel is
         # loaded: the program reloads its kernels under the tag they were compiled (and tuned) under
-        # (the user's, compilation/backend.py), whoever loads it (the backend's cache hit, under the
-        # program's tag, or a precompiled function).
+        # (the user's, :func:`compiling_regions`), whoever loads it (the backend's cache hit, under
+        # the program's tag, or a precompiled function).
         self.cache_key_tag = torch.compiler.config.cache_key_tag
         self._pickled: bytes | None = None
 
@@ -143,6 +144,43 @@ def cache_key_tag(options: dict[str, Any], passes: Sequence[Callable[..., Any]])
         return None
     text = "\n".join([package_digest(), repr(sorted(options.items())), *identities])
     return "fx_fastprefill-" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class PackageSourcesKey(CustomGraphPass):
+    """A post-grad pass that changes nothing: its ``uuid()`` puts this package's sources (and the
+    uuid of a custom pass of the user's, which it runs) into Inductor's FX graph key of a region."""
+
+    def __init__(self, users_pass: CustomGraphPass | None):
+        self.users_pass = users_pass
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.users_pass is not None:
+            self.users_pass(graph)
+
+    def uuid(self) -> Any:
+        return package_digest(), self.users_pass.uuid() if self.users_pass is not None else None
+
+
+@contextlib.contextmanager
+def compiling_regions(users_tag: str) -> Iterator[None]:
+    """While the backend compiles a program's regions and pieces, which go through Inductor's FX
+    graph cache (bundling turns it off; so a new program reuses the graphs an earlier one
+    compiled):
+
+    - the cache tag is the user's, not the program's: Inductor keys a kernel's autotuning result
+      with the tag, and its compile workers, which do not see a tag set in this process, key theirs
+      without it; a kernel compiled here must be keyed as theirs are for a warm start to find its
+      tuning;
+    - the package's sources key the regions instead (:class:`PackageSourcesKey`): a region calls
+      the package's ops, whose fake implementations Inductor's code was generated against. A user's
+      post-grad pass that is not a ``CustomGraphPass`` is left alone: Inductor does not cache then.
+    """
+    users_pass = torch._inductor.config.post_grad_custom_post_pass
+    keyed = {"post_grad_custom_post_pass": PackageSourcesKey(users_pass)} \
+        if users_pass is None or isinstance(users_pass, CustomGraphPass) else {}
+    with torch._functorch.config.patch(bundled_autograd_cache=False), \
+            torch.compiler.config.patch(cache_key_tag=users_tag), torch._inductor.config.patch(**keyed):
+        yield
 
 
 @contextlib.contextmanager

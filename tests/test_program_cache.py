@@ -122,11 +122,11 @@ def test_regions_are_keyed_by_the_package_sources_and_compiled_under_the_users_t
     miss, the same digest a hit; a user's custom post-grad pass still runs and keys too."""
     from torch._dynamo.utils import counters
     from torch._inductor.custom_graph_pass import CustomGraphPass
-    from fx_fastprefill.compilation.compile_graph import inductor
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from fx_fastprefill.compilation.compile_graph import inductor
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     gm = make_fx(lambda x: (torch.relu(x) * 2,))(torch.randn(8))
     example = [FakeTensorMode(shape_env=ShapeEnv()).from_tensor(torch.randn(8))]  # as a region's inputs are
     tags = []

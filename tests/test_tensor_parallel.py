@@ -110,13 +110,14 @@ def _flat_checks() -> dict:
     backend = fx_fastprefill.backend(compiler="eager")
     # Precompiling is refused on several ranks (a loaded function would skip the ranks' check):
     # the Runner compiles through torch.compile as without it, counted.
-    folder = tempfile.mkdtemp()
-    runner = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=64, precompile=folder)
-    reference = fx_fastprefill.Runner(full, backend="eager", max_num_tokens=64)
-    logits, expected = runner.prefill(prompts), reference.prefill(prompts)
-    tokens = runner.generate(prompts, max_new_tokens=5)
+    with tempfile.TemporaryDirectory() as folder:
+        runner = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=64, precompile=folder)
+        reference = fx_fastprefill.Runner(full, backend="eager", max_num_tokens=64)
+        logits, expected = runner.prefill(prompts), reference.prefill(prompts)
+        tokens = runner.generate(prompts, max_new_tokens=5)
+        files = os.listdir(folder)
     prefill_report = backend.reports[0]
-    return dict(precompile_refused=runner.precompiled.failed, files=os.listdir(folder),
+    return dict(precompile_refused=runner.precompiled.failed, files=files,
                 fallbacks=dict(backend.fallbacks),
                 cut=prefill_report.cut, reason=prefill_report.reason, summary=prefill_report.summary(),
                 ranks=prefill_report.ranks, shared=[a.layer for a in prefill_report.attention_layers if a.kv_source],

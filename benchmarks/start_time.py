@@ -23,7 +23,9 @@ Dynamo's own compile time, every graph; ``capture_s``: the Runner's capture) plu
 counters. Every process runs with PYTHONHASHSEED=0 (Gemma 4's graph follows a set's order) and
 writes bytecode caches as Python does by default (PYTHONDONTWRITEBYTECODE removed).
 Each record also holds ``timed``: the seconds of every phase torch times (``dynamo_timed``: Dynamo's
-trace, AOT, Inductor, loading compiled code and Triton kernels). ``--profile DIR`` adds a third
+trace, AOT, Inductor, loading compiled code and Triton kernels), and ``kernels_autotuned``: how many
+Triton kernels were autotuned at their first launch (none, on a warm start that finds the cold
+one's results). ``--profile DIR`` adds a third
 process per variant, a warm one with cProfile over the timed window (its record's phase
 ``warm_profiled``; the profiler slows it, so the ``warm`` record stays the number), and writes its
 most expensive calls, by cumulative and by own time, to ``DIR/<model>-<variant>-warm_profiled.txt``:
@@ -151,6 +153,8 @@ def child(args) -> dict:
                         if "cache" in k or "triton_bundler" in k}
     # every phase torch timed (Triton kernels loaded from the bundle or compiled, code loaded, ...), seconds
     record["timed"] = {key: round(sum(times), 4) for key, times in compilation_time_metrics.items()}
+    # Triton kernels autotuned at their first launch (a warm start should find the cold one's results)
+    record["kernels_autotuned"] = len(compilation_time_metrics.get("CachingAutotuner.benchmark_all_configs", []))
     return record
 
 

@@ -71,6 +71,16 @@ def default_folder() -> Path:
     return Path(cache_dir()) / "fx_fastprefill" / "precompiled"
 
 
+def folder_for(precompile: bool | str | os.PathLike) -> Path | None:
+    """The folder a ``precompile=`` argument names: :func:`default_folder` for True, None for False.
+    Raises TypeError for anything else."""
+    if not isinstance(precompile, (bool, str, os.PathLike)):
+        raise TypeError(f"precompile must be a bool or a folder, got {precompile!r}")
+    if precompile is True:
+        return default_folder()
+    return Path(precompile) if precompile else None
+
+
 def serializable_guards(closure: tuple[str, ...] = ()) -> Callable[[list[Any]], list[bool]]:
     """Dynamo's guard filter: keep every guard a saved function can check in another process (not
     object identities, not globals, not the traced function's closure, which is handed in again

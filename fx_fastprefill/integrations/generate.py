@@ -373,8 +373,7 @@ def compile_for_generate(model: nn.Module, *, backend: FastPrefillBackend | None
         raise TypeError(f"options {sorted(options)} configure a new backend; with backend= given, set them on it")
     elif not isinstance(backend, FastPrefillBackend):
         raise TypeError(f"backend must be a FastPrefillBackend (fx_fastprefill.backend(...)), got {backend!r}")
-    if not isinstance(precompile, (bool, str, os.PathLike)):
-        raise TypeError(f"precompile must be a bool or a folder, got {precompile!r}")
+    folder = precompiled.folder_for(precompile)
     if cache_implementation not in (None, "static", "dynamic"):
         raise ValueError(f"cache_implementation must be 'static', 'dynamic' or None, got {cache_implementation!r}")
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
@@ -384,7 +383,6 @@ def compile_for_generate(model: nn.Module, *, backend: FastPrefillBackend | None
     saved = {"disable_compile": getattr(config, "disable_compile", None)}
     # transformers would otherwise compile __call__ itself for a static cache, around this forward.
     config.disable_compile = True
-    folder = precompiled.default_folder() if precompile is True else (Path(precompile) if precompile else None)
     forward = GenerateForward(model, backend, decode_backend, decode_dynamic, folder)
     model.forward = forward
     model.generate = GenerateWithCache(model.generate, cache_implementation)

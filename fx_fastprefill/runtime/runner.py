@@ -102,14 +102,12 @@ class Runner:
         elif whole_step_sizes and self._recorder is None:
             raise ValueError("whole_step_sizes needs CUDA graphs: a backend made with cudagraphs=True, on CUDA")
         self.whole_step_sizes = check_sizes("whole_step_sizes", whole_step_sizes, max_num_tokens)
-        if not isinstance(precompile, (bool, str, os.PathLike)):
-            raise TypeError(f"precompile must be a bool or a folder, got {precompile!r}")
-        if precompile and self.backend is None:
+        folder = precompiled.folder_for(precompile)
+        if folder is not None and self.backend is None:
             raise ValueError("precompile needs a compiled model (backend=...)")
         self._forward: Callable = model if self.backend is None else compile_for_varying_sizes(model, self.backend)
         self.precompiled: precompiled.PrecompiledFunction | None = None
-        if precompile:
-            folder = precompiled.default_folder() if precompile is True else Path(precompile)
+        if folder is not None:
             self.precompiled = self._forward = self._precompiled_forward(folder)
         self._requests: dict[int, Request] = {}
         self._step_id = 0

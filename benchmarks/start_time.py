@@ -110,7 +110,16 @@ def _first_generate(args) -> dict:
     handle = getattr(model, "fx_fastprefill", None)
     if handle is not None:
         record["cut"] = all(r.cut for r in handle.reports)
+        record.update(_fallbacks(handle.backend.fallbacks, handle.forward.precompiled.values()))
     return record
+
+
+def _fallbacks(counter, precompiled_functions) -> dict:
+    """The backend's fallbacks by reason, and each precompiled path's state (why it fell back to
+    torch.compile, if it did): a slow cold or warm start says why in its record."""
+    return {"fallbacks": dict(counter or {}),
+            "precompiled": {f.name: f.failed or f"{f.loaded} loaded, {f.compiled} compiled"
+                            for f in precompiled_functions}}
 
 
 def _first_step(args) -> dict:
@@ -139,6 +148,7 @@ def _first_step(args) -> dict:
     record = {"first_output_s": _clock_stops(start), "capture_s": capture_s}
     if runner.report is not None:
         record["cut"] = runner.report.cut
+    record.update(_fallbacks(runner.fallbacks, [runner.precompiled] if runner.precompiled else []))
     return record
 
 

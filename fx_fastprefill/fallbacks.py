@@ -32,7 +32,7 @@ NO_PROGRAM_CACHE = ("the compiled program cannot be cached (torch API missing, o
 PRECOMPILE_UNAVAILABLE = ("precompiling asked for, but this torch has no aot_compile, the backend's program cannot "
                           "be keyed or the model runs on several ranks: the path compiles through torch.compile")
 PRECOMPILE_FAILED = ("precompiling a path failed (a graph break, or its compile could not be saved): it compiles "
-                     "through torch.compile from now on")
+                     "through torch.compile from now on (a function compiled but not saved still serves its calls)")
 PRECOMPILED_LOAD_FAILED = "a saved precompiled function could not be loaded: skipped"
 PRECOMPILED_GUARD_MISS = "no saved precompiled function's guards pass for this call: another one is compiled and saved"
 # Compile-time: piecewise CUDA graphs were asked for but cannot be used for this graph.

@@ -153,3 +153,35 @@ def test_a_backend_that_cannot_be_keyed_does_not_precompile(tmp_path):
     with torch.no_grad():  # the fallback (here the model itself) runs
         torch.testing.assert_close(function(input_ids=ids).logits, model(input_ids=ids).logits)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_compile_that_cannot_be_saved_still_serves_its_calls(tmp_path, monkeypatch):
+    """Saving fails (a program that does not pickle, say): the path falls back, counted, but the
+    function just compiled serves the calls it fits; the compile is not paid again through the
+    fallback."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    from examples import hf_gemma4
+
+    def refuse(*args, **kwargs):
+        raise TypeError("cannot pickle 'StandIn' object")
+    monkeypatch.setattr(AOTCompiledFunction, "serialize", refuse)
+    model = hf_gemma4.smallest()
+    fallback_calls = []
+
+    def fallback(*args, **kwargs):
+        fallback_calls.append(kwargs["input_ids"].shape)
+        return model.forward(*args, **kwargs)
+    backend = fx_fastprefill.backend(compiler="eager")
+    function = precompiled.PrecompiledFunction(
+        model.forward, name="prefill", folder=tmp_path, options_key=str(backend.cache_tag),
+        compile_options={"backend": backend}, fallback=fallback, record_fallback=backend.fallbacks.record)
+    with torch.no_grad():
+        for seq in (7, 7, 9):  # 9: the static-shape function's guards fail, the fallback runs it
+            ids = torch.randint(3, model.config.vocab_size, (1, seq))
+            torch.testing.assert_close(function(input_ids=ids, logits_to_keep=1).logits,
+                                       model(input_ids=ids, logits_to_keep=1).logits)
+    assert function.compiled == 1 and "not saved: TypeError" in function.failed
+    assert len(backend.reports) == 1 and backend.reports[0].cut  # compiled once, cut
+    assert fallback_calls == [torch.Size([1, 9])]
+    assert backend.fallbacks == {fallbacks.PRECOMPILE_FAILED: 1} and not list(tmp_path.glob("*.bin"))

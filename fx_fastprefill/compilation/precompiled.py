@@ -19,7 +19,9 @@ model has now.
 Private torch APIs (written against torch 2.11 and 2.13); where one is missing or a compile cannot
 be saved (a graph break, an object that does not pickle), the path compiles through
 ``torch.compile`` as without precompiling (counted, logged). So does a model on several ranks
-(tensor parallel): a loaded function would skip the ranks' agreement on one cut.
+(tensor parallel): a loaded function would skip the ranks' agreement on one cut. A function
+compiled but not saved still serves the calls it fits in this process (its compile is not paid
+twice).
 """
 
 from __future__ import annotations
@@ -282,13 +284,15 @@ class PrecompiledFunction:
             self.unloaded = sorted(self.folder.glob(f"{self.name}-{self.key}-*.bin"), key=lambda p: p.stat().st_mtime)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.failed:
+        if self.failed and not self.functions:
             return self.fallback(*args, **kwargs)
         if self.prepare is not None:
             self.prepare(args, kwargs)
         for function in self._candidates():
             if function.guard_check(self.model, *args, **kwargs):
                 return function(self.model, *args, **kwargs)
+        if self.failed:  # the functions in hand serve the calls they fit; no new one is compiled here
+            return self.fallback(*args, **kwargs)
         if self.functions:
             self.record_fallback(fallbacks.PRECOMPILED_GUARD_MISS)
             log.info("precompiled %s: no saved function's guards pass (%s); compiling another",
@@ -351,10 +355,6 @@ class PrecompiledFunction:
             with context, torch._dynamo.config.patch(specialize_float=True, **switches), \
                     _without(self.model, self.hidden), _builtins_resolve():
                 function = torch.compile(self.method, fullgraph=True, **options).aot_compile((args, kwargs))
-            f_globals = _traced_function(self.method).__globals__
-            data = AOTCompiledFunction.serialize(function, _closure_data(self.method)).serialized_data
-            saved = {"format": FORMAT, "globals": _global_references(function, f_globals), "function": data}
-            write_atomically(self._new_path(), pickle.dumps(saved))
         except Exception as e:  # noqa: BLE001 - the path compiles as without precompiling: counted, logged
             log.debug("precompiling %s failed", self.name, exc_info=True)
             self._give_up(fallbacks.PRECOMPILE_FAILED, f"{type(e).__name__}: {e}")
@@ -362,6 +362,14 @@ class PrecompiledFunction:
         function.disable_guard_check()
         self.functions.append(function)
         self.compiled += 1
+        try:
+            f_globals = _traced_function(self.method).__globals__
+            data = AOTCompiledFunction.serialize(function, _closure_data(self.method)).serialized_data
+            saved = {"format": FORMAT, "globals": _global_references(function, f_globals), "function": data}
+            write_atomically(self._new_path(), pickle.dumps(saved))
+        except Exception as e:  # noqa: BLE001 - compiled but not saved: it still serves this process
+            log.debug("saving %s failed", self.name, exc_info=True)
+            self._give_up(fallbacks.PRECOMPILE_FAILED, f"compiled, but not saved: {type(e).__name__}: {e}")
         return function
 
     def _miss_reason(self, args: tuple, kwargs: dict) -> str:

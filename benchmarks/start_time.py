@@ -25,11 +25,12 @@ writes bytecode caches as Python does by default (PYTHONDONTWRITEBYTECODE remove
 Each record also holds ``timed``: the seconds of every phase torch times (``dynamo_timed``: Dynamo's
 trace, AOT, Inductor, loading compiled code and Triton kernels), and ``kernels_autotuned``: how many
 Triton kernels were autotuned at their first launch (none, on a warm start that finds the cold
-one's results). ``--profile DIR`` adds a third
-process per variant, a warm one with cProfile over the timed window (its record's phase
-``warm_profiled``; the profiler slows it, so the ``warm`` record stays the number), and writes its
-most expensive calls, by cumulative and by own time, to ``DIR/<model>-<variant>-warm_profiled.txt``:
-where a warm start's seconds go.
+one's results), ``fallbacks`` (the backend's, by reason), ``precompiled`` (each saved path's state:
+loaded, compiled, or why it fell back) and ``stderr_tail`` (what the process logged last).
+``--profile DIR`` adds a third process per variant, a warm one with cProfile over the timed
+window (its record's phase ``warm_profiled``; the profiler slows it, so the ``warm`` record stays
+the number), and writes its most expensive calls, by cumulative and by own time, to
+``DIR/<model>-<variant>-warm_profiled.txt``: where a warm start's seconds go.
 
     PYTHONPATH=. python3 benchmarks/start_time.py --models gemma4-e2b,gemma3n-e2b,runner-gemma3n-e2b \\
         --out benchmarks/results/DATE-h200-start-time.json
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -203,6 +205,7 @@ def main() -> None:
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         if args.profile:
             profile_child(args)
         else:
@@ -231,7 +234,10 @@ def main() -> None:
                     record = {"model": model, "device": args.device, "shape": shape, "variant": variant,
                               "phase": phase}
                     record.update(json.loads(lines[-1][len("RECORD "):]) if lines else {"error": proc.stderr[-3000:]})
-                    print(json.dumps({k: v for k, v in record.items() if k not in ("caches", "timed")}), flush=True)
+                    # the end of what the process logged (a fallback's reason, a cache that could not save)
+                    record["stderr_tail"] = proc.stderr.splitlines()[-30:]
+                    shown = {k: v for k, v in record.items() if k not in ("caches", "timed", "stderr_tail")}
+                    print(json.dumps(shown), flush=True)
                     records.append(record)
                     if args.out:
                         meta = {"argv": sys.argv[1:], "python": sys.version.split()[0]}

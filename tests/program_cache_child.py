@@ -1,7 +1,7 @@
 """One process of tests/test_program_cache.py: compile the smallest Gemma 4 with the backend,
 run one batch, print what the caches did as JSON (the last line of stdout).
 
-    python -m tests.program_cache_child [--compiler eager] [--save-artifacts PATH | --load-artifacts PATH]
+    python -m tests.program_cache_child [--save-artifacts PATH | --load-artifacts PATH] [--weights-seed N]
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--compiler", default="inductor")
     parser.add_argument("--save-artifacts", help="write torch.compiler.save_cache_artifacts() here after the run")
     parser.add_argument("--load-artifacts", help="torch.compiler.load_cache_artifacts() from here first")
     parser.add_argument("--weights-seed", type=int, default=0, help="the model's random weights")
@@ -27,7 +26,7 @@ def main() -> None:
     from examples import hf_gemma4
     torch.manual_seed(args.weights_seed)
     model = hf_gemma4.smallest()
-    backend = fx_fastprefill.backend(compiler=args.compiler)
+    backend = fx_fastprefill.backend()
     compiled = torch.compile(model, backend=backend, dynamic=True)
     torch.manual_seed(1)
     ids = torch.randint(1, model.config.vocab_size, (2, 11))

@@ -271,3 +271,19 @@ def test_a_loaded_program_replays_real_cuda_graphs(tmp_path, monkeypatch):
     assert fallbacks_loaded.get(fallbacks.CUDAGRAPH_RECORD_FAILED, 0) == 0, fallbacks_loaded
     for a, b in zip(fresh_logits, loaded_logits):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_a_program_that_does_not_pickle_says_which_part():
+    """AOTAutograd logs a failed save and stores nothing: the message names the part to fix."""
+    import pickle
+
+    from fx_fastprefill.report.report import FastPrefillReport
+
+    class Region:
+        pass
+    region = Region()
+    region.kernels = [3, lambda: None]
+    code = program_cache.ProgramCode(region, FastPrefillReport(cut=True), [], "")
+    with pytest.raises(pickle.PicklingError, match=r"at \['program'\]\.kernels\[1\] \(function: <function "):
+        code.prepare_for_serialization()
+    assert program_cache.unpicklable_part({"fine": [1, "two"]}) == ""

@@ -30,6 +30,7 @@ import hashlib
 import importlib.metadata
 import inspect
 import pickle
+import reprlib
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -73,7 +74,12 @@ class ProgramCode(OutputCode):
     def prepare_for_serialization(self) -> None:
         # The report's graph and node names are the compile's FX objects (its printed picture): not kept.
         report = dataclasses.replace(self.report, graph=None, placeholder_names={})
-        self._pickled = pickle.dumps((self.program, report))
+        try:
+            self._pickled = pickle.dumps((self.program, report))
+        except Exception as e:  # AOTAutograd logs it and saves nothing: say which part does not pickle
+            where = unpicklable_part({"program": self.program, "report": report})
+            raise pickle.PicklingError(f"the compiled program does not pickle, at {where}: "
+                                       f"{type(e).__name__}: {e}") from e
         self.program = self.report = None
 
     def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
@@ -90,6 +96,31 @@ class ProgramCode(OutputCode):
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         """Each compiled graph inside carries its own kernels."""
+
+
+def unpicklable_part(obj: Any, path: str = "", depth: int = 8) -> str:
+    """The deepest attribute path under ``obj`` that does not pickle (as pickling sees it: through
+    ``__getstate__``): a failed save names what to fix, not only the object type pickle hit."""
+    try:
+        pickle.dumps(obj)
+        return ""
+    except Exception:  # noqa: BLE001 - any failure: look inside
+        pass
+    if depth == 0:
+        return path or "(the object)"
+    if isinstance(obj, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    else:
+        state = obj.__getstate__() if hasattr(obj, "__getstate__") else getattr(obj, "__dict__", None)
+        state = state[1] if isinstance(state, tuple) and len(state) == 2 and state[0] is None else state
+        children = [(f"{path}.{k}", v) for k, v in state.items()] if isinstance(state, dict) else []
+    for child_path, child in children:
+        found = unpicklable_part(child, child_path, depth - 1)
+        if found:
+            return found
+    return f"{path or '(the object)'} ({type(obj).__qualname__}: {reprlib.repr(obj)})"
 
 
 def serializable(compiler: Callable[..., ProgramCode]) -> Callable[..., ProgramCode] | None:

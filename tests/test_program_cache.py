@@ -287,3 +287,8 @@ def test_a_program_that_does_not_pickle_says_which_part():
     with pytest.raises(pickle.PicklingError, match=r"at \['program'\]\.kernels\[1\] \(function: <function "):
         code.prepare_for_serialization()
     assert program_cache.unpicklable_part({"fine": [1, "two"]}) == ""
+
+    class Launched:  # as Inductor's autotuner once its launchers are made
+        def __getstate__(self):
+            raise AssertionError("pickle should not be called after make_launchers()")
+    assert "whose __getstate__ raised AssertionError" in program_cache.unpicklable_part({"k": [Launched()]})

@@ -106,21 +106,25 @@ def unpicklable_part(obj: Any, path: str = "", depth: int = 8) -> str:
         return ""
     except Exception:  # noqa: BLE001 - any failure: look inside
         pass
+    here = f"{path or '(the object)'} ({type(obj).__qualname__}: {reprlib.repr(obj)})"
     if depth == 0:
-        return path or "(the object)"
+        return here
     if isinstance(obj, dict):
         children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
     elif isinstance(obj, (list, tuple)):
         children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
     else:
-        state = obj.__getstate__() if hasattr(obj, "__getstate__") else getattr(obj, "__dict__", None)
+        try:
+            state = obj.__getstate__() if hasattr(obj, "__getstate__") else getattr(obj, "__dict__", None)
+        except Exception as e:  # noqa: BLE001 - its own __getstate__ refuses: this is the part
+            return f"{here}, whose __getstate__ raised {type(e).__name__}: {e}"
         state = state[1] if isinstance(state, tuple) and len(state) == 2 and state[0] is None else state
         children = [(f"{path}.{k}", v) for k, v in state.items()] if isinstance(state, dict) else []
     for child_path, child in children:
         found = unpicklable_part(child, child_path, depth - 1)
         if found:
             return found
-    return f"{path or '(the object)'} ({type(obj).__qualname__}: {reprlib.repr(obj)})"
+    return here
 
 
 def serializable(compiler: Callable[..., ProgramCode]) -> Callable[..., ProgramCode] | None:

@@ -27,6 +27,9 @@ RANKS_DISAGREE = "the ranks did not agree on one cut: compiled unchanged"
 # this torch lacks the API, or a pass of the pipeline has no readable source to key it by.
 NO_PROGRAM_CACHE = ("the compiled program cannot be cached (torch API missing, or a pass without source): "
                     "compiled uncached")
+# Compile-time: the compiled program did not pickle, so the AOTAutograd cache holds nothing for it and the
+# next process compiles it again (the warning names the part that does not pickle).
+PROGRAM_NOT_SAVED = "the compiled program could not be saved in the AOTAutograd cache: the next process compiles it"
 # Compile-time, compile_for_generate(precompile=...) and Runner(precompile=...): a path saved and loaded whole
 # (compilation/precompiled.py).
 PRECOMPILE_UNAVAILABLE = ("precompiling asked for, but this torch has no aot_compile, the backend's program cannot "

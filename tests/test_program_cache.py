@@ -283,12 +283,38 @@ def test_a_program_that_does_not_pickle_says_which_part():
         pass
     region = Region()
     region.kernels = [3, lambda: None]
-    code = program_cache.ProgramCode(region, FastPrefillReport(cut=True), [], "")
+    counted = fallbacks.FallbackCounter()
+    code = program_cache.ProgramCode(region, FastPrefillReport(cut=True), [], "", counted.record)
     with pytest.raises(pickle.PicklingError, match=r"at \['program'\]\.kernels\[1\] \(function: <function "):
         code.prepare_for_serialization()
+    assert counted == {fallbacks.PROGRAM_NOT_SAVED: 1} and code.program is region  # still runs in this process
     assert program_cache.unpicklable_part({"fine": [1, "two"]}) == ""
 
     class Launched:  # as Inductor's autotuner once its launchers are made
         def __getstate__(self):
             raise AssertionError("pickle should not be called after make_launchers()")
     assert "whose __getstate__ raised AssertionError" in program_cache.unpicklable_part({"k": [Launched()]})
+
+
+def test_a_program_that_cannot_be_saved_runs_and_is_counted(tmp_path, monkeypatch):
+    """The whole way: the program does not pickle, AOTAutograd saves nothing, the model still runs
+    cut and right, and the backend counts it."""
+    from torch._dynamo.utils import counters
+
+    from examples import hf_gemma4
+    from fx_fastprefill.compilation.compile_graph import GraphCode
+
+    def refuse(self):
+        raise TypeError("cannot pickle 'StandIn' object")
+    monkeypatch.setattr(GraphCode, "__getstate__", refuse)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    counters.clear()
+    model = hf_gemma4.smallest()
+    ids = torch.randint(1, model.config.vocab_size, (2, 11))
+    backend = fx_fastprefill.backend(compiler="eager")
+    with torch.no_grad():
+        logits = torch.compile(model, backend=backend, dynamic=False)(ids, logits_to_keep=1).logits
+        torch.testing.assert_close(logits, model(ids, logits_to_keep=1).logits)
+    assert backend.reports[-1].cut and backend.fallbacks[fallbacks.PROGRAM_NOT_SAVED] == 1, dict(backend.fallbacks)
+    assert not counters["aot_autograd"].get("autograd_cache_saved"), dict(counters["aot_autograd"])

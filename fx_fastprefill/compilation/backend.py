@@ -248,7 +248,7 @@ class FastPrefillBackend:
         else:
             log.info("compiled a graph with %d attention layers\n%s", len(ctx.layers), report.summary())
         groups = spmd.collective_groups(ctx.unchanged or gm)
-        return ProgramCode(program, report, groups, spmd.fingerprint(ctx.gm, ctx.declined))
+        return ProgramCode(program, report, groups, spmd.fingerprint(ctx.gm, ctx.declined), record_fallback)
 
     def _compile_cut(self, ctx: PassContext, static: set[Node], cudagraphs: bool,
                      record_fallback: Callable[[str], None]) -> CompiledProgram:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .. import fallbacks
 from ..fallbacks import FallbackCounter
 from ..report.report import FastPrefillReport
 from .regions import CompiledProgram
@@ -56,7 +57,8 @@ LOADER: contextvars.ContextVar[Callable[["ProgramCode"], None] | None] = context
 class ProgramCode(OutputCode):
     """What the backend returns to AOTAutograd: a program that runs, and pickles into its cache."""
 
-    def __init__(self, program: CompiledProgram, report: FastPrefillReport, groups: list[str], fingerprint: str):
+    def __init__(self, program: CompiledProgram, report: FastPrefillReport, groups: list[str], fingerprint: str,
+                 record_fallback: Callable[[str], None] | None = None):
         self._boxed_call = True  # on the instance: AOT's wrappers copy the instance's __dict__, not the class's
         self.program: CompiledProgram | None = program
         self.report: FastPrefillReport | None = report
@@ -67,6 +69,7 @@ class ProgramCode(OutputCode):
         # the program's tag, or a precompiled function).
         self.cache_key_tag = torch.compiler.config.cache_key_tag
         self._pickled: bytes | None = None
+        self.record_fallback = record_fallback  # the compiling backend's: counts a program that is not saved
 
     def __call__(self, inputs: list) -> list:
         return self.program(inputs)
@@ -78,9 +81,12 @@ class ProgramCode(OutputCode):
             self._pickled = pickle.dumps((self.program, report))
         except Exception as e:  # AOTAutograd logs it and saves nothing: say which part does not pickle
             where = unpicklable_part({"program": self.program, "report": report})
+            record_fallback = getattr(self, "record_fallback", None)  # None on a program loaded from the cache
+            if record_fallback is not None:
+                record_fallback(fallbacks.PROGRAM_NOT_SAVED)
             raise pickle.PicklingError(f"the compiled program does not pickle, at {where}: "
                                        f"{type(e).__name__}: {e}") from e
-        self.program = self.report = None
+        self.program = self.report = self.record_fallback = None  # the backend's counter is not saved
 
     def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
         """A cache hit: the program unpickled (its compiled graphs reloaded) and handed to the loader."""

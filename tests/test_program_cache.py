@@ -288,6 +288,9 @@ def test_a_program_that_does_not_pickle_says_which_part():
     with pytest.raises(pickle.PicklingError, match=r"at \['program'\]\.kernels\[1\] \(function: <function "):
         code.prepare_for_serialization()
     assert counted == {fallbacks.PROGRAM_NOT_SAVED: 1} and code.program is region  # still runs in this process
+    with pytest.raises(pickle.PicklingError):  # a second save of the same program: counted once
+        code.prepare_for_serialization()
+    assert counted == {fallbacks.PROGRAM_NOT_SAVED: 1}
     assert program_cache.unpicklable_part({"fine": [1, "two"]}) == ""
 
     class Launched:  # as Inductor's autotuner once its launchers are made

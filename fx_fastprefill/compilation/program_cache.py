@@ -82,8 +82,9 @@ class ProgramCode(OutputCode):
         except Exception as e:  # AOTAutograd logs it and saves nothing: say which part does not pickle
             where = unpicklable_part({"program": self.program, "report": report})
             record_fallback = getattr(self, "record_fallback", None)  # None on a program loaded from the cache
-            if record_fallback is not None:
+            if record_fallback is not None:  # once per program (precompiling tries to save it a second time)
                 record_fallback(fallbacks.PROGRAM_NOT_SAVED)
+                self.record_fallback = None
             raise pickle.PicklingError(f"the compiled program does not pickle, at {where}: "
                                        f"{type(e).__name__}: {e}") from e
         self.program = self.report = self.record_fallback = None  # the backend's counter is not saved

@@ -120,8 +120,7 @@ def _fallbacks(counter, precompiled_functions) -> dict:
     """The backend's fallbacks by reason, and each precompiled path's state (why it fell back to
     torch.compile, if it did): a slow cold or warm start says why in its record."""
     return {"fallbacks": dict(counter or {}),
-            "precompiled": {f.name: f.failed or f"{f.loaded} loaded, {f.compiled} compiled"
-                            for f in precompiled_functions}}
+            "precompiled": {f.name: f.state() for f in precompiled_functions}}
 
 
 def _first_step(args) -> dict:

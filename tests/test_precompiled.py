@@ -182,6 +182,7 @@ def test_a_compile_that_cannot_be_saved_still_serves_its_calls(tmp_path, monkeyp
             torch.testing.assert_close(function(input_ids=ids, logits_to_keep=1).logits,
                                        model(input_ids=ids, logits_to_keep=1).logits)
     assert function.compiled == 1 and "not saved: TypeError" in function.failed
+    assert function.state().endswith("; 1 function(s) in hand serve the calls they fit"), function.state()
     assert len(backend.reports) == 1 and backend.reports[0].cut  # compiled once, cut
     assert fallback_calls == [torch.Size([1, 9])]
     assert backend.fallbacks == {fallbacks.PRECOMPILE_FAILED: 1} and not list(tmp_path.glob("*.bin"))

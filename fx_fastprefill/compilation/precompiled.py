@@ -305,6 +305,13 @@ class PrecompiledFunction:
             return self.fallback(*args, **kwargs)
         return function(self.model, *args, **kwargs)
 
+    def state(self) -> str:
+        """What this path did, in a line: loaded and compiled, or why it compiles through torch.compile."""
+        if not self.failed:
+            return f"{self.loaded} loaded, {self.compiled} compiled and saved"
+        in_hand = f"; {len(self.functions)} function(s) in hand serve the calls they fit" if self.functions else ""
+        return f"compiles through torch.compile ({self.failed}){in_hand}"
+
     def _new_path(self) -> Path:
         return self.folder / f"{self.name}-{self.key}-{uuid.uuid4().hex[:12]}.bin"
 

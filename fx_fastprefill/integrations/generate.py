@@ -322,12 +322,7 @@ class GenerateCompilation:
                   f"prefill FLOPs removed)" for r in cut]
         lines += [f"  unchanged: {r.reason}" for r in self.reports if not r.cut]
         for path, function in self.forward.precompiled.items():
-            state = f"{function.loaded} loaded, {function.compiled} compiled and saved"
-            if function.failed:
-                state = f"compiles through torch.compile ({function.failed})"
-                if function.functions:
-                    state += f"; {len(function.functions)} function(s) in hand serve the calls they fit"
-            lines.append(f"precompiled {path}: {state}")
+            lines.append(f"precompiled {path}: {function.state()}")
         return "\n".join(lines)
 
 

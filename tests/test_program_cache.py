@@ -299,6 +299,42 @@ def test_a_program_that_does_not_pickle_says_which_part():
     assert "whose __getstate__ raised AssertionError" in program_cache.unpicklable_part({"k": [Launched()]})
 
 
+class _ConstantOnDevice:
+    """A program's tensor constant as pickling a CUDA one works: its bytes copied to the CPU by a
+    tensor op (under a FakeTensorMode the copy is fake and its bytes cannot be read)."""
+
+    def __init__(self, values: list[int]):
+        self.values = torch.tensor(values, dtype=torch.uint8)
+
+    def __reduce__(self):
+        return _ConstantOnDevice, (self.values.to("cpu", copy=True).tolist(),)
+
+
+class _ProgramWithConstants:
+    def __init__(self):
+        self.constant, self.on_device = torch.tensor([0.95, 2.0]), _ConstantOnDevice([1, 2, 3, 4])
+
+    def bind(self, record_fallback):
+        self.bound = True
+
+
+def test_a_program_is_saved_and_loaded_with_real_tensors_under_aots_fake_mode():
+    """AOTAutograd saves and loads the program inside its FakeTensorMode: Gemma 3n's CUDA tensor
+    constant failed to pickle there (seen on the GPU), and a constant unpickled there comes back fake."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from fx_fastprefill.report.report import FastPrefillReport
+    code = program_cache.ProgramCode(_ProgramWithConstants(), FastPrefillReport(cut=True), [], "")
+    with FakeTensorMode():
+        code.prepare_for_serialization()
+    assert code.program is None
+    with FakeTensorMode():
+        code.post_compile([], None, None)
+    assert not isinstance(code.program.constant, FakeTensor) and code.program.bound
+    torch.testing.assert_close(code.program.constant, torch.tensor([0.95, 2.0]))
+    assert code.program.on_device.values.tolist() == [1, 2, 3, 4]
+
+
 def test_a_program_that_cannot_be_saved_runs_and_is_counted(tmp_path, monkeypatch):
     """The whole way: the program does not pickle, AOTAutograd saves nothing, the model still runs
     cut and right, and the backend counts it."""

@@ -78,9 +78,11 @@ class ProgramCode(OutputCode):
         # The report's graph and node names are the compile's FX objects (its printed picture): not kept.
         report = dataclasses.replace(self.report, graph=None, placeholder_names={})
         try:
-            self._pickled = pickle.dumps((self.program, report))
+            with _real_tensors():
+                self._pickled = pickle.dumps((self.program, report))
         except Exception as e:  # AOTAutograd logs it and saves nothing: say which part does not pickle
-            where = unpicklable_part({"program": self.program, "report": report})
+            with _real_tensors():
+                where = unpicklable_part({"program": self.program, "report": report})
             record_fallback = getattr(self, "record_fallback", None)  # None on a program loaded from the cache
             if record_fallback is not None:  # once per program (precompiling tries to save it a second time)
                 record_fallback(fallbacks.PROGRAM_NOT_SAVED)
@@ -92,7 +94,7 @@ class ProgramCode(OutputCode):
     def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
         """A cache hit: the program unpickled (its compiled graphs reloaded) and handed to the loader."""
         if self.program is None:
-            with torch.compiler.config.patch(cache_key_tag=self.cache_key_tag):
+            with torch.compiler.config.patch(cache_key_tag=self.cache_key_tag), _real_tensors():
                 self.program, self.report = pickle.loads(self._pickled)
             self._pickled = None
         loader = LOADER.get()
@@ -103,6 +105,13 @@ class ProgramCode(OutputCode):
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         """Each compiled graph inside carries its own kernels."""
+
+
+def _real_tensors() -> contextlib.AbstractContextManager:
+    """No dispatch mode while the program is pickled or unpickled: AOTAutograd saves and loads it
+    inside its FakeTensorMode, where a CUDA tensor constant (Gemma 3n's activation sparsity) cannot
+    be copied to the CPU to pickle, and an unpickled constant would come back a FakeTensor."""
+    return torch.utils._python_dispatch._disable_current_modes()
 
 
 def unpicklable_part(obj: Any, path: str = "", depth: int = 8) -> str:

@@ -156,9 +156,9 @@ def test_a_backend_that_cannot_be_keyed_does_not_precompile(tmp_path):
 
 
 def test_a_compile_that_cannot_be_saved_still_serves_its_calls(tmp_path, monkeypatch):
-    """Saving fails (a program that does not pickle, say): the path falls back, counted, but the
-    function just compiled serves the calls it fits; the compile is not paid again through the
-    fallback."""
+    """Saving the compiled function fails (a global it reads that cannot be imported by name, say):
+    the path falls back, counted, but the function just compiled serves the calls it fits; the
+    compile is not paid again through the fallback."""
     from torch._dynamo.aot_compile import AOTCompiledFunction
 
     from examples import hf_gemma4

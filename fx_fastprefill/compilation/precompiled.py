@@ -20,8 +20,9 @@ Private torch APIs (written against torch 2.11 and 2.13); where one is missing o
 be saved (a graph break, an object that does not pickle), the path compiles through
 ``torch.compile`` as without precompiling (counted, logged). So does a model on several ranks
 (tensor parallel): a loaded function would skip the ranks' agreement on one cut. A function
-compiled but not saved still serves the calls it fits in this process (its compile is not paid
-twice).
+compiled whose own serialization fails still serves the calls it fits in this process (its compile
+is not paid twice); a backend program that does not pickle fails ``aot_compile`` itself (it makes
+AOTAutograd's cache strict), and that path compiles again through ``torch.compile``.
 """
 
 from __future__ import annotations

@@ -108,9 +108,10 @@ class ProgramCode(OutputCode):
 
 
 def _real_tensors() -> contextlib.AbstractContextManager:
-    """No dispatch mode while the program is pickled or unpickled: AOTAutograd saves and loads it
-    inside its FakeTensorMode, where a CUDA tensor constant (Gemma 3n's activation sparsity) cannot
-    be copied to the CPU to pickle, and an unpickled constant would come back a FakeTensor."""
+    """No dispatch mode while the program is pickled or unpickled: AOTAutograd saves it inside its
+    FakeTensorMode, where a CUDA tensor constant (Gemma 3n's activation sparsity) cannot be copied
+    to the CPU to pickle (seen on the GPU), and a constant unpickled under such a mode comes back a
+    FakeTensor."""
     return torch.utils._python_dispatch._disable_current_modes()
 
 

@@ -77,18 +77,16 @@ class ProgramCode(OutputCode):
     def prepare_for_serialization(self) -> None:
         # The report's graph and node names are the compile's FX objects (its printed picture): not kept.
         report = dataclasses.replace(self.report, graph=None, placeholder_names={})
-        try:
-            with _real_tensors():
+        with _real_tensors():
+            try:
                 self._pickled = pickle.dumps((self.program, report))
-        except Exception as e:  # AOTAutograd logs it and saves nothing: say which part does not pickle
-            with _real_tensors():
+            except Exception as e:  # AOTAutograd logs it and saves nothing: say which part does not pickle
                 where = unpicklable_part({"program": self.program, "report": report})
-            record_fallback = getattr(self, "record_fallback", None)  # None on a program loaded from the cache
-            if record_fallback is not None:  # once per program (precompiling tries to save it a second time)
-                record_fallback(fallbacks.PROGRAM_NOT_SAVED)
-                self.record_fallback = None
-            raise pickle.PicklingError(f"the compiled program does not pickle, at {where}: "
-                                       f"{type(e).__name__}: {e}") from e
+                if self.record_fallback is not None:  # None once counted: once per program, however often saved
+                    self.record_fallback(fallbacks.PROGRAM_NOT_SAVED)
+                    self.record_fallback = None
+                raise pickle.PicklingError(f"the compiled program does not pickle, at {where}: "
+                                           f"{type(e).__name__}: {e}") from e
         self.program = self.report = self.record_fallback = None  # the backend's counter is not saved
 
     def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:

@@ -37,6 +37,10 @@ PRECOMPILE_UNAVAILABLE = ("precompiling asked for, but this torch has no aot_com
 PRECOMPILE_FAILED = ("precompiling a path failed (a graph break, or its compile could not be saved): it compiles "
                      "through torch.compile from now on (a function compiled but not saved still serves its calls)")
 PRECOMPILED_LOAD_FAILED = "a saved precompiled function could not be loaded: skipped"
+PRECOMPILED_STALE = ("a saved precompiled function was traced from source files that have changed since it was "
+                     "saved: skipped (another is compiled for the code as it is now)")
+PRECOMPILE_FOLDER_FAILED = ("a file of the precompile folder could not be read or written (a read-only folder, a file "
+                            "in its place): this process runs without it")
 PRECOMPILED_GUARD_MISS = "no saved precompiled function's guards pass for this call: another one is compiled and saved"
 # Compile-time: piecewise CUDA graphs were asked for but cannot be used for this graph.
 CUDAGRAPHS_NOT_CUDA = "CUDA graphs asked for, but the graph's inputs are not on a CUDA device: compiled without them"

@@ -186,3 +186,83 @@ def test_a_compile_that_cannot_be_saved_still_serves_its_calls(tmp_path, monkeyp
     assert len(backend.reports) == 1 and backend.reports[0].cut  # compiled once, cut
     assert fallback_calls == [torch.Size([1, 9])]
     assert backend.fallbacks == {fallbacks.PRECOMPILE_FAILED: 1} and not list(tmp_path.glob("*.bin"))
+
+
+USER_MODEL = '''
+import transformers
+
+
+class Edited(transformers.Gemma4ForCausalLM):
+    def forward(self, *args, logits_to_keep=0, **kwargs):
+        out = super().forward(*args, logits_to_keep=logits_to_keep, **kwargs)
+        out.logits = out.logits.roll(SHIFT, -1)
+        return out
+'''
+
+HELPER_CALLER = '''
+import transformers
+
+import user_helpers
+
+
+class CallsAHelper(transformers.Gemma4ForCausalLM):
+    def forward(self, *args, logits_to_keep=0, **kwargs):
+        out = super().forward(*args, logits_to_keep=logits_to_keep, **kwargs)
+        out.logits = user_helpers.adjust(out.logits)
+        return out
+'''
+
+
+def _write_user_code(user_dir: Path, edited: bool) -> None:
+    """The user's modules: a subclass, a helper it calls, an edited copy of transformers' Gemma 4
+    modeling file in a package of version 1.0 (before and after the edit)."""
+    import re
+
+    import transformers.models.gemma4.modeling_gemma4 as original
+    (user_dir / "user_model.py").write_text(USER_MODEL.replace("SHIFT", "5" if edited else "1"))
+    (user_dir / "user_helper_caller.py").write_text(HELPER_CALLER)
+    (user_dir / "user_helpers.py").write_text(
+        f"def adjust(logits):\n    return logits.roll({7 if edited else 2}, -1)\n")
+    package = user_dir / "gemma4_copy"
+    package.mkdir(exist_ok=True)
+    (package / "__init__.py").write_text('__version__ = "1.0"\n')
+    source = Path(original.__file__).read_text()
+    for relative, absolute in (("...", "transformers"), ("..", "transformers.models"),
+                               (".", "transformers.models.gemma4")):
+        source = re.sub(rf"^(\s*)from {re.escape(relative)}([\w.]*) ",
+                        lambda m: f"{m[1]}from {absolute}{'.' + m[2] if m[2] else ''} ", source, flags=re.M)
+    mlp = source.index("class Gemma4TextMLP")
+    line = "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
+    at = source.index(line, mlp)
+    if edited:  # the text MLP's up projection negated
+        source = source[:at] + line.replace("* self.up_proj", "* -self.up_proj") + source[at + len(line):]
+    (package / "modeling_gemma4.py").write_text(source)
+
+
+def test_a_restart_after_the_models_code_is_edited_compiles_the_edited_code(tmp_path):
+    """Issue 40, defects 1 and 2. The first process (which built a Llama first) saves every model's
+    paths; the user then edits a subclass's forward, a helper module its forward calls, and a copy of
+    transformers' modeling file (its package's version unchanged). The next process gives each edited
+    model's own tokens (none is loaded: the key changes with a class's file, the helper is caught by
+    the traced code's digests), and loads the unedited model, which it builds first."""
+    pytest.importorskip("transformers")
+    user_dir = tmp_path / "user"
+    user_dir.mkdir()
+    folder, cache = str(tmp_path / "precompiled"), tmp_path / "cache"
+    _write_user_code(user_dir, edited=False)
+    cold = run_child("tests.edited_code_child", cache, folder, str(user_dir), "--other-class-first")
+    for name, run in cold.items():
+        assert run["equal"] and all(run["cut"]), (name, run)
+        assert (run["compiled"], run["loaded"]) == (1, 0), run
+    _write_user_code(user_dir, edited=True)
+    warm = run_child("tests.edited_code_child", cache, folder, str(user_dir))
+    for name, run in warm.items():
+        assert run["equal"] and all(run["cut"]), (name, run)
+        assert run["tokens"] != cold[name]["tokens"] or name == "plain", (name, "the edit changed nothing")
+    # saved by a process that had built other classes first: loaded all the same
+    assert warm["plain"]["loaded"] == 1 and warm["plain"]["fallbacks"] == {}, warm
+    for name in ("subclass", "copy"):  # another key: nothing to load
+        assert warm[name]["loaded"] == 0 and warm[name]["fallbacks"] == {}, warm[name]
+    helper = warm["helper"]  # the same key; the file is read and refused: its traced code changed
+    assert (helper["loaded"], helper["compiled"]) == (0, 1), helper
+    assert helper["fallbacks"] == {fallbacks.PRECOMPILED_STALE: 1}, helper

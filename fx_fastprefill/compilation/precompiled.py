@@ -11,10 +11,15 @@ folder: a call runs the first whose guards pass; when none passes, one is compil
 Guards that cannot be saved are dropped when compiling (:func:`serializable_guards`): identities of
 objects (which function an activation calls, which module object is which) and globals. What they
 pinned is in the file's key instead (:func:`model_key`): the model's class, config and parameter
-shapes, the package's sources, the compile's options, torch and Python. The kept guards (tensor
-shapes, dtypes and devices, config values the trace read, grad mode) are checked on every call.
-Parameters are inputs read from the model at each call, so a loaded function runs the weights the
-model has now.
+shapes, the source files of its modules' classes, the package's sources, the compile's options,
+torch and Python. The code the function traced is pinned by content: the file keeps a digest of
+every source file Dynamo inlined for it, and a file whose traced code has changed since is not
+loaded (:func:`changed_sources`). The kept guards (tensor shapes, dtypes and devices, config values
+the trace read, grad mode) are checked on every call. Parameters are inputs read from the model at
+each call, so a loaded function runs the weights the model has now.
+
+Every read and write of the folder fails soft: a folder that cannot be written (read-only, a file,
+under a file) leaves the path compiling through ``torch.compile`` (counted, logged), never raising.
 
 Private torch APIs (written against torch 2.11 and 2.13); where one is missing or a compile cannot
 be saved (a graph break, an object that does not pickle), the path compiles through
@@ -52,7 +57,7 @@ from . import program_cache
 
 log = logging.getLogger("fx_fastprefill")
 
-FORMAT = 1
+FORMAT = 2  # 2: the digests of the traced sources
 MAX_FUNCTIONS = 8  # per path, like Dynamo's recompile limit: past it, the path compiles as usual
 
 
@@ -101,10 +106,12 @@ def serializable_guards(closure: tuple[str, ...] = ()) -> Callable[[list[Any]], 
 
 def model_key(model: torch.nn.Module, options: str, hidden: tuple[str, ...] = ()) -> str:
     """What a saved function was compiled for: the model's class (and the version of the package
-    that defines it), config, parameter and buffer shapes, dtypes and devices, the functions set
-    on its modules' instances (a patched method, an activation's partial: their identity guards are
-    not saved), this package's sources, ``options``, torch and Python. ``hidden``: attributes of
-    the model's own instance left out (the caller's wrappers)."""
+    that defines it), config, parameter and buffer shapes, dtypes and devices, the source files of
+    its modules' classes and the ``forward`` each class runs (an edited modeling file or a patched
+    class: another key, whatever the package's version says), the functions set on its modules'
+    instances (a patched method, an activation's partial: their identity guards are not saved),
+    this package's sources, ``options``, torch and Python. ``hidden``: attributes of the model's
+    own instance left out (the caller's wrappers)."""
     config = getattr(model, "config", None)
     config_text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
     tensors = [(name, tuple(t.shape), str(t.dtype), t.device.type)
@@ -116,9 +123,57 @@ def model_key(model: torch.nn.Module, options: str, hidden: tuple[str, ...] = ()
     defining_package = sys.modules.get(type(model).__module__.split(".")[0])
     text = "\n".join([f"{type(model).__module__}.{type(model).__qualname__}",
                       str(getattr(defining_package, "__version__", None)), config_text, repr(tensors), repr(functions),
-                      program_cache.package_digest(), options, torch.__version__, sys.version])
+                      repr(_class_sources(model)), program_cache.package_digest(), options, torch.__version__,
+                      sys.version])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
+
+def _class_sources(model: torch.nn.Module) -> list[tuple]:
+    """Per class of the model's modules: the digest of each file that defines a class of its MRO
+    (torch's own excepted: torch's version is keyed) and the ``forward`` it resolves to."""
+    described = []
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: (c.__module__, c.__qualname__)):
+        files = sorted({module for c in cls.__mro__ if not _is_torchs(module := c.__module__)})
+        described.append((cls.__module__, cls.__qualname__, [(m, _source_digest(m)) for m in files],
+                          _describe(getattr(cls, "forward", None))))
+    return described
+
+
+def _is_torchs(module: str) -> bool:
+    return module == "builtins" or module == "torch" or module.startswith("torch.")
+
+
+def _source_digest(module: str) -> str | None:
+    """The sha256 of the source file of ``module`` as it is on disk now; None where it has none."""
+    loaded = sys.modules.get(module)
+    path = getattr(loaded, "__file__", None)
+    if path is None:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            return None
+        path = spec.origin if spec is not None and spec.has_location else None
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
+    except OSError:
+        return None
+
+
+def traced_sources(function: Any) -> dict[str, str]:
+    """The source files of the code Dynamo traced for a compiled function (the function and every
+    function it inlined), by module, each with its content's digest. Raises ValueError where one
+    has no file to check it by on load."""
+    modules = sorted({source.module for source in function.source_info().inlined_sources})
+    digests = {module: _source_digest(module) for module in modules}
+    missing = [module for module, digest in digests.items() if digest is None]
+    if missing:
+        raise ValueError(f"the traced code of {missing} has no source file to check it by on load")
+    return digests
+
+
+def changed_sources(saved: dict[str, str]) -> list[str]:
+    """The modules whose source files differ from the digests ``saved`` with a function."""
+    return [module for module, digest in saved.items() if _source_digest(module) != digest]
 
 def _describe(value: Any) -> tuple:
     """A callable by what it runs: name and code (constants and nested code included), or a
@@ -210,6 +265,31 @@ def _without(model: torch.nn.Module, names: tuple[str, ...]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _local_key_order() -> Iterator[None]:
+    """Dynamo saves, with a function's guards, every dict whose key order it guards, and looks each
+    up again when the function is loaded. A global one has the order its process filled it in
+    (transformers' registry of output recorders gains a key per model class built): a process that
+    built other classes first saved an index past the end of the next one's (IndexError on load).
+    Only the model's own (local) dicts are saved: guards on globals are not saved anyway
+    (:func:`serializable_guards`), what they pinned is in the key."""
+    from torch._dynamo import guards
+    original = guards.pickle_guards_state
+
+    def pickle_state(state: Any, builder: Any) -> bytes:
+        order = state.output_graph.guard_on_key_order
+        state.output_graph.guard_on_key_order = {source for source in order if source.guard_source.is_local()}
+        try:
+            return original(state, builder)
+        finally:
+            state.output_graph.guard_on_key_order = order
+    guards.pickle_guards_state = pickle_state
+    try:
+        yield
+    finally:
+        guards.pickle_guards_state = original
+
+
+@contextlib.contextmanager
 def _builtins_resolve() -> Iterator[None]:
     """torch 2.11's check that a compiled function's globals hold every name its bytecode reads
     misses that builtins (``type``) resolve through ``__builtins__``, and refuses the function
@@ -233,6 +313,17 @@ def write_atomically(path: Path, data: bytes) -> None:
         f.write(data)
         temp = f.name
     os.replace(temp, path)
+
+
+def _oldest_first(paths: Iterator[Path]) -> list[Path]:
+    """``paths`` by modification time; one that vanished meanwhile (another process) is left out."""
+    dated = []
+    for path in paths:
+        try:
+            dated.append((path.stat().st_mtime, path))
+        except OSError:
+            continue
+    return [path for _, path in sorted(dated)]
 
 
 class PrecompiledFunction:
@@ -282,7 +373,7 @@ class PrecompiledFunction:
             # rank's shard offsets in its graph.
             self._give_up(fallbacks.PRECOMPILE_UNAVAILABLE, f"the model runs on {ranks} ranks (tensor parallel)")
         else:
-            self.unloaded = sorted(self.folder.glob(f"{self.name}-{self.key}-*.bin"), key=lambda p: p.stat().st_mtime)
+            self.unloaded = _oldest_first(self.folder.glob(f"{self.name}-{self.key}-*.bin"))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.failed and not self.functions:
@@ -327,19 +418,30 @@ class PrecompiledFunction:
                 yield function
 
     def _load(self, path: Path) -> Any:
+        stage = "reading the file"
         try:
             saved = pickle.loads(path.read_bytes())
             if saved.get("format") != FORMAT:
-                raise ValueError(f"format {saved.get('format')}, not {FORMAT}")
+                raise ValueError(f"format {saved.get('format')}, this package reads {FORMAT}")
+            changed = changed_sources(saved["sources"])
+            if changed:
+                self.record_fallback(fallbacks.PRECOMPILED_STALE)
+                log.warning("precompiled %s: %s not loaded: the code it traced has changed since it was saved (%s)",
+                            self.name, path, ", ".join(changed))
+                return None
+            stage = "importing the globals its code reads"
             # torch 2.13 saves the builtins the bytecode reads, 2.11 does not
             f_globals = {**vars(builtins), **_traced_function(self.method).__globals__}
             f_globals.update({name: _resolve(ref) for name, ref in saved["globals"].items()})
+            stage = "rebuilding its guards and compiled program against this process's model and modules"
             with program_cache.loading(self.loader):
                 function = torch.compiler.load_compiled_function(
                     io.BytesIO(saved["function"]), f_globals=f_globals, external_data=_closure_data(self.method))
         except Exception as e:  # noqa: BLE001 - a file that does not load is skipped: counted, logged
             self.record_fallback(fallbacks.PRECOMPILED_LOAD_FAILED)
-            log.warning("precompiled %s: %s not loaded (%s: %s)", self.name, path, type(e).__name__, e)
+            log.warning("precompiled %s: %s not loaded: %s failed (%s: %s)", self.name, path, stage,
+                        type(e).__name__, e)
+            log.debug("loading %s failed", path, exc_info=True)
             return None
         function.disable_guard_check()  # checked by __call__ before each call
         self.functions.append(function)
@@ -361,7 +463,7 @@ class PrecompiledFunction:
             # torch 2.11 puts aot_compile on a compiled function only with enable_aot_compile on.
             switches = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
             with context, torch._dynamo.config.patch(specialize_float=True, **switches), \
-                    _without(self.model, self.hidden), _builtins_resolve():
+                    _without(self.model, self.hidden), _builtins_resolve(), _local_key_order():
                 function = torch.compile(self.method, fullgraph=True, **options).aot_compile((args, kwargs))
         except Exception as e:  # noqa: BLE001 - the path compiles as without precompiling: counted, logged
             log.debug("precompiling %s failed", self.name, exc_info=True)
@@ -373,11 +475,17 @@ class PrecompiledFunction:
         try:
             f_globals = _traced_function(self.method).__globals__
             data = AOTCompiledFunction.serialize(function, _closure_data(self.method)).serialized_data
-            saved = {"format": FORMAT, "globals": _global_references(function, f_globals), "function": data}
-            write_atomically(self._new_path(), pickle.dumps(saved))
+            saved = {"format": FORMAT, "globals": _global_references(function, f_globals),
+                     "sources": traced_sources(function), "function": data}
         except Exception as e:  # noqa: BLE001 - compiled but not saved: it still serves this process
             log.debug("saving %s failed", self.name, exc_info=True)
             self._give_up(fallbacks.PRECOMPILE_FAILED, f"compiled, but not saved: {type(e).__name__}: {e}")
+            return function
+        try:
+            write_atomically(self._new_path(), pickle.dumps(saved))
+        except OSError as e:  # a read-only folder, a file in its place: the same
+            self._give_up(fallbacks.PRECOMPILE_FOLDER_FAILED,
+                          f"compiled, but not saved in {self.folder}: {type(e).__name__}: {e}")
         return function
 
     def _miss_reason(self, args: tuple, kwargs: dict) -> str:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from .. import fallbacks
 from ..compilation.backend import FastPrefillBackend
 from ..compilation.backend import backend as make_backend
 from ..compilation import precompiled
@@ -156,6 +157,7 @@ class GenerateForward:
     def __init__(self, model: nn.Module, backend: FastPrefillBackend, decode_backend: str | Callable,
                  decode_dynamic: bool | None, precompile_folder: Path | None = None):
         self.model = model
+        self.backend = backend
         self.original = model.forward  # the class's forward, bound
         functools.update_wrapper(self, self.original)  # transformers reads forward's signature
         self.prefill = torch.compile(self.original, backend=backend)
@@ -223,10 +225,19 @@ class GenerateForward:
         path = function.folder / f"kv-shapes-{function.key}-{type(cache).__qualname__}.json"
         try:
             return [tuple(shape) for shape in json.loads(path.read_text())]
-        except (OSError, ValueError, TypeError):
-            shapes = kv_shapes(self.model, self.original, cache)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, TypeError) as e:  # unreadable or damaged: probed again, written anew
+            log.warning("precompiled: %s not read (%s: %s); the K/V shapes are probed again", path,
+                        type(e).__name__, e)
+        shapes = kv_shapes(self.model, self.original, cache)
         if shapes:
-            precompiled.write_atomically(path, json.dumps(shapes).encode())
+            try:
+                precompiled.write_atomically(path, json.dumps(shapes).encode())
+            except OSError as e:
+                self.backend.fallbacks.record(fallbacks.PRECOMPILE_FOLDER_FAILED)
+                log.warning("precompiled: %s not written (%s: %s); the next process probes the K/V shapes again",
+                            path, type(e).__name__, e)
         return shapes
 
     def _initialize(self, cache: Any, args: tuple, kwargs: dict) -> None:

@@ -13,6 +13,7 @@ saved whole and loaded by the next process.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,62 @@ def test_a_restart_after_the_models_code_is_edited_compiles_the_edited_code(tmp_
     helper = warm["helper"]  # the same key; the file is read and refused: its traced code changed
     assert (helper["loaded"], helper["compiled"]) == (0, 1), helper
     assert helper["fallbacks"] == {fallbacks.PRECOMPILED_STALE: 1}, helper
+
+
+def _generate_equals_the_uncompiled_model(folder, **options) -> dict:
+    """compile_for_generate(precompile=folder) on the smallest Gemma 4 (static cache, eager regions
+    and decode), greedy tokens against the same model uncompiled; the backend's fallbacks."""
+    from examples import hf_gemma4
+    torch.manual_seed(0)
+    model, reference = hf_gemma4.smallest(), hf_gemma4.smallest()
+    reference.load_state_dict(model.state_dict())
+    fx_fastprefill.compile_for_generate(model, precompile=folder, compiler="eager", decode_backend="eager", **options)
+    ids = torch.randint(3, model.config.vocab_size, (1, 9))
+    greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        tokens = model.generate(input_ids=ids, **greedy)
+        expected = reference.generate(input_ids=ids, cache_implementation="static", **greedy)
+    assert torch.equal(tokens, expected)
+    return dict(model.fx_fastprefill.backend.fallbacks)
+
+
+@pytest.mark.parametrize("form", ["a file", "under a file", "read-only"])
+def test_a_folder_that_cannot_be_written_is_counted_not_raised(tmp_path, monkeypatch, caplog, form):
+    """Issue 40, defect 3: the functions and the side file of K/V shapes cannot be written; the path
+    runs the functions it compiled, counted, logged, never raising."""
+    pytest.importorskip("transformers")
+    folder = tmp_path / "precompiled"
+    if form == "a file":
+        folder.write_text("not a folder")
+    elif form == "under a file":
+        (tmp_path / "a-file").write_text("")
+        folder = tmp_path / "a-file" / "precompiled"
+    elif os.geteuid() != 0:
+        folder.mkdir()
+        folder.chmod(0o555)
+    else:  # root writes through a read-only mode: the error such a folder raises, raised where it would be
+        folder.mkdir()
+
+        def refuse(*args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(folder))
+        monkeypatch.setattr(precompiled.tempfile, "NamedTemporaryFile", refuse)
+    with caplog.at_level("WARNING", logger="fx_fastprefill"):
+        counted = _generate_equals_the_uncompiled_model(folder)
+    # both paths' functions and the K/V shapes' file: not written, counted
+    assert counted == {fallbacks.PRECOMPILE_FOLDER_FAILED: 3}, counted
+    assert sum("not saved in" in r.getMessage() for r in caplog.records) == 2, caplog.text
+    assert sum("not written" in r.getMessage() for r in caplog.records) == 1, caplog.text
+
+
+def test_damaged_files_in_the_folder_are_compiled_again(tmp_path):
+    """A truncated function file and a K/V-shapes file that is not JSON: skipped (counted) and
+    probed again, with the right tokens."""
+    pytest.importorskip("transformers")
+    _generate_equals_the_uncompiled_model(tmp_path)
+    for path in tmp_path.glob("*.bin"):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    for path in tmp_path.glob("kv-shapes-*.json"):
+        path.write_text("[[2, 16], [2")
+    torch._dynamo.reset()
+    counted = _generate_equals_the_uncompiled_model(tmp_path)
+    assert counted == {fallbacks.PRECOMPILED_LOAD_FAILED: 2, fallbacks.PRECOMPILE_FOLDER_FAILED: 1}, counted

@@ -357,3 +357,32 @@ def test_a_program_that_cannot_be_saved_runs_and_is_counted(tmp_path, monkeypatc
         torch.testing.assert_close(logits, model(ids, logits_to_keep=1).logits)
     assert backend.reports[-1].cut and backend.fallbacks[fallbacks.PROGRAM_NOT_SAVED] == 1, dict(backend.fallbacks)
     assert not counters["aot_autograd"].get("autograd_cache_saved"), dict(counters["aot_autograd"])
+
+
+def test_a_damaged_cache_entry_is_compiled_again(tmp_path, monkeypatch):
+    """Issue 40: the program's AOTAutograd entries truncated between two compiles (a disk that
+    filled up, a copy cut short): the second compile misses, compiles and saves again, cut and right."""
+    from torch._dynamo.utils import counters
+
+    from examples import hf_gemma4
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = hf_gemma4.smallest()
+    ids = torch.randint(1, model.config.vocab_size, (2, 11))
+
+    def compile_and_run() -> tuple[FastPrefillBackend, dict]:
+        torch._dynamo.reset()
+        counters.clear()
+        backend = fx_fastprefill.backend(compiler="eager")
+        with torch.no_grad():
+            logits = torch.compile(model, backend=backend, dynamic=False)(ids, logits_to_keep=1).logits
+            torch.testing.assert_close(logits, model(ids, logits_to_keep=1).logits)
+        return backend, dict(counters["aot_autograd"])
+
+    compile_and_run()
+    entries = [p for p in (tmp_path / "aotautograd").rglob("*") if p.is_file()]
+    assert entries
+    for path in entries:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    backend, aot = compile_and_run()
+    assert not aot.get("autograd_cache_hit") and aot.get("autograd_cache_saved") == 1, aot
+    assert backend.reports[-1].cut and not backend.reports[-1].from_cache

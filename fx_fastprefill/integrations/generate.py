@@ -225,9 +225,10 @@ class GenerateForward:
         path = function.folder / f"kv-shapes-{function.key}-{type(cache).__qualname__}.json"
         try:
             return [tuple(shape) for shape in json.loads(path.read_text())]
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # not saved yet (or the folder is not one: written below)
             pass
         except (OSError, ValueError, TypeError) as e:  # unreadable or damaged: probed again, written anew
+            self.backend.fallbacks.record(fallbacks.PRECOMPILE_FOLDER_FAILED)
             log.warning("precompiled: %s not read (%s: %s); the K/V shapes are probed again", path,
                         type(e).__name__, e)
         shapes = kv_shapes(self.model, self.original, cache)

@@ -235,3 +235,34 @@ def test_new_batch_sizes_and_prompt_lengths_compile_nothing_after_two_prefill_gr
         prefill_graphs.append(handle.compiles[PREFILL])
     assert prefill_graphs == [1, 2, 2, 2], prefill_graphs
     assert all(r.cut for r in handle.reports), [r.reason for r in handle.reports]
+
+
+@pytest.mark.parametrize("mode", ["draft model", "prompt lookup"])
+def test_assisted_generation_runs_on_a_cache_it_supports(mode):
+    """Issue 40, defect 4: transformers runs assisted generation on a DynamicCache only (5.23 refused
+    the static cache compile_for_generate asks for by default). The call gets the dynamic cache;
+    its prefill and the verification steps (several tokens each) go through the compiled, cut
+    forward; tokens equal the uncompiled model's."""
+    model = _model("gemma4_no_hand_slicing")
+    vocab = model.config.get_text_config().vocab_size
+    if mode == "draft model":
+        import transformers
+        torch.manual_seed(1)
+        draft = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+        options = dict(assistant_model=draft)
+    else:
+        options = dict(prompt_lookup_num_tokens=3)
+    ids = torch.randint(3, vocab, (1, 12))
+    ids[0, 6:9] = ids[0, 1:4]  # something for prompt lookup to find
+    greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, **options, **greedy)
+        fx_fastprefill.compile_for_generate(model, compiler="eager", decode_backend="eager")
+        tokens = model.generate(input_ids=ids, **options, **greedy)
+        # cache_implementation="dynamic" named in the call (transformers 5.23 refused it uncompiled too)
+        again = model.generate(input_ids=ids, cache_implementation="dynamic", **options, **greedy)
+    assert torch.equal(tokens, expected) and torch.equal(again, expected)
+    handle = model.fx_fastprefill
+    assert handle.calls[PREFILL] >= 2 and handle.reports and all(r.cut for r in handle.reports), handle.summary()

@@ -414,9 +414,33 @@ class GenerateWithCache:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         chosen = _cache(kwargs) is not None or kwargs.get("generation_config") is not None
+        if _assisted(self.original.__self__, kwargs):
+            # transformers (5.23) runs assisted generation on a DynamicCache only, and passes a
+            # cache_implementation on to the assistant together with its cache (refused, uncompiled
+            # too): the default cache, dynamic, is what runs. Verification steps (several tokens)
+            # still go through the compiled prefill.
+            if kwargs.get("cache_implementation") == "dynamic":
+                del kwargs["cache_implementation"]
+            return self.original(*args, **kwargs)
         if self.cache_implementation is not None and not chosen and "cache_implementation" not in kwargs:
             kwargs["cache_implementation"] = None if self.cache_implementation == "dynamic" else "static"
         return self.original(*args, **kwargs)
+
+
+ASSISTED_OPTIONS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+
+
+def _assisted(model: nn.Module, kwargs: dict) -> bool:
+    """The call is assisted generation (a draft model, prompt lookup, early exit), by transformers'
+    own reading of the model's generation config with the call's options."""
+    config = kwargs.get("generation_config") or model.generation_config
+    try:
+        from transformers.generation.configuration_utils import GenerationMode
+        config = copy.copy(config)
+        config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+        return config.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION
+    except Exception:  # noqa: BLE001 - another transformers: its options, read by name
+        return any(kwargs.get(k) is not None or getattr(config, k, None) not in (None, False) for k in ASSISTED_OPTIONS)
 
 
 def restore(model: nn.Module) -> nn.Module:

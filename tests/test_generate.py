@@ -266,3 +266,55 @@ def test_assisted_generation_runs_on_a_cache_it_supports(mode):
     assert torch.equal(tokens, expected) and torch.equal(again, expected)
     handle = model.fx_fastprefill
     assert handle.calls[PREFILL] >= 2 and handle.reports and all(r.cut for r in handle.reports), handle.summary()
+
+
+def test_a_peft_model_is_compiled_through_its_base_model():
+    """Issue 40, defect 5: ``peft_model.generate`` runs the base model's generate, which calls the base
+    model's forward: that is the one compiled. LoRA adapters unmerged, switched and merged: tokens
+    equal the uncompiled peft model's, the prefill cut, the compiled forward called."""
+    peft = pytest.importorskip("peft")
+    model = _model("llama")
+    config = dict(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(3)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(**config)).eval()
+    wrapped.add_adapter("other", peft.LoraConfig(**config))
+    ids, mask = left_padded_batch([10, 7], model.config.vocab_size, pad_id=0, seed=4)
+
+    def generate():
+        with torch.no_grad():
+            return wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                                    do_sample=False, pad_token_id=0, cache_implementation="static")
+    states = []
+    for adapter, merged in (("default", False), ("other", False), ("other", True)):
+        wrapped.set_adapter(adapter)
+        if merged:
+            wrapped.merge_adapter()
+        states.append(generate())
+        if merged:
+            wrapped.unmerge_adapter()
+    torch._dynamo.reset()
+    assert fx_fastprefill.compile_for_generate(wrapped, compiler="eager", decode_backend="eager") is wrapped
+    for (adapter, merged), expected in zip((("default", False), ("other", False), ("other", True)), states):
+        wrapped.set_adapter(adapter)
+        if merged:
+            wrapped.merge_adapter()
+        assert torch.equal(generate(), expected), (adapter, merged)
+        if merged:
+            wrapped.unmerge_adapter()
+    handle = wrapped.fx_fastprefill  # the base model's, through peft's attribute lookup
+    assert handle.calls[PREFILL] == 3 and handle.reports and all(r.cut for r in handle.reports), handle.summary()
+    assert not torch.equal(states[0], states[1])  # the adapters change the tokens (merging does not)
+    fx_fastprefill.restore(wrapped)
+    assert "forward" not in model.__dict__ and "fx_fastprefill" not in model.__dict__
+
+
+def test_a_wrapper_whose_generate_would_bypass_the_compiled_forward_is_refused():
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def generate(self, *args, **kwargs):
+            return self.inner.generate(*args, **kwargs)
+    with pytest.raises(TypeError, match="is not transformers' generate"):
+        fx_fastprefill.compile_for_generate(Wrapper(_model("llama")))

@@ -347,13 +347,33 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def generating_model(model: nn.Module) -> nn.Module:
+    """The transformers model whose ``forward`` ``model.generate`` calls: ``model`` itself, or the base
+    model of a peft wrapper (its ``generate`` calls the base model's). Raises TypeError for any
+    other module with a ``generate`` of its own: patching its forward would compile nothing that
+    its ``generate`` runs."""
+    from transformers import GenerationMixin
+    get_base_model = getattr(model, "get_base_model", None)
+    if not isinstance(model, GenerationMixin) and callable(get_base_model):
+        base = get_base_model()
+        if isinstance(base, GenerationMixin):
+            return base  # peft: generate() runs the base model's generate(), hooks around it
+    if not isinstance(model, GenerationMixin):
+        raise TypeError(f"{type(model).__name__}.generate is not transformers' generate: it may call another "
+                        f"module's forward, which compile_for_generate would not compile. Pass the transformers "
+                        f"model it wraps instead")
+    return model
+
+
 def compile_for_generate(model: nn.Module, *, backend: FastPrefillBackend | None = None,
                          cache_implementation: str | None = "static", decode_backend: str | Callable = "inductor",
                          decode_dynamic: bool | None = True, precompile: bool | str | os.PathLike = False,
                          **options: Any) -> nn.Module:
     """Compile a transformers causal LM so that its own ``model.generate(...)`` runs the prefill cut
     by the pass and the decode steps compiled; returns the model (patched in place; undo with
-    :func:`restore`).
+    :func:`restore`). A peft model is compiled through its base model, whose forward its
+    ``generate`` runs (adapters unmerged or merged, switched with ``set_adapter``: Dynamo guards
+    on their state); another wrapper with a ``generate`` of its own is refused.
 
     ``backend``: the FastPrefillBackend of the prefill graphs (default ``fx_fastprefill.backend(**options)``).
     ``cache_implementation``: what ``generate`` calls that choose no cache get (default
@@ -370,10 +390,11 @@ def compile_for_generate(model: nn.Module, *, backend: FastPrefillBackend | None
     your own. Off by default: a saved function checks fewer of Dynamo's guards (the model's
     class, config and parameter shapes are checked through the file's key instead).
     """
-    model = _unwrap(model)
+    given = model = _unwrap(model)
     if not isinstance(model, nn.Module) or not callable(getattr(model, "generate", None)):
         raise TypeError(f"compile_for_generate needs a transformers model with a generate() method, "
                         f"got {type(model).__name__}")
+    model = generating_model(model)
     if HANDLE in model.__dict__:
         raise RuntimeError(f"{type(model).__name__} is already compiled for generate; "
                            f"call fx_fastprefill.restore(model) first")
@@ -397,7 +418,7 @@ def compile_for_generate(model: nn.Module, *, backend: FastPrefillBackend | None
     model.forward = forward
     model.generate = GenerateWithCache(model.generate, cache_implementation)
     setattr(model, HANDLE, GenerateCompilation(forward, backend, saved))
-    return model
+    return given
 
 
 class GenerateWithCache:
@@ -445,6 +466,10 @@ def _assisted(model: nn.Module, kwargs: dict) -> bool:
 
 def restore(model: nn.Module) -> nn.Module:
     """Undo :func:`compile_for_generate`: the class's forward and the generation config as they were."""
+    given, model = model, _unwrap(model)
+    if isinstance(model, nn.Module) and HANDLE not in model.__dict__ and callable(getattr(model, "generate", None)):
+        with contextlib.suppress(TypeError, ImportError):
+            model = generating_model(model)
     handle = model.__dict__.get(HANDLE)
     if not isinstance(handle, GenerateCompilation):
         raise ValueError(f"{type(model).__name__} is not compiled for generate "
@@ -453,4 +478,4 @@ def restore(model: nn.Module) -> nn.Module:
     delattr(model, HANDLE)
     for field, value in handle.saved_config.items():
         setattr(model.generation_config, field, value)
-    return model
+    return given

@@ -318,3 +318,29 @@ def test_a_wrapper_whose_generate_would_bypass_the_compiled_forward_is_refused()
             return self.inner.generate(*args, **kwargs)
     with pytest.raises(TypeError, match="is not transformers' generate"):
         fx_fastprefill.compile_for_generate(Wrapper(_model("llama")))
+
+
+def test_a_deep_copy_is_compiled_and_pickling_says_to_restore_first():
+    """Issue 40, defect 6: ``copy.deepcopy`` of a compiled model gives a model compiled the same way
+    (its own forward, the same backend); ``pickle`` names ``restore``, after which it pickles."""
+    import copy
+    import pickle
+    model = _model("gemma4_no_hand_slicing")
+    expected = _generate(model, [10, 7], "static", seed=2)
+    fx_fastprefill.compile_for_generate(model, compiler="eager", decode_backend="eager")
+    copied = copy.deepcopy(model)
+    assert copied.fx_fastprefill is not model.fx_fastprefill and copied.forward.model is copied
+    assert copied.fx_fastprefill.backend is model.fx_fastprefill.backend
+    with torch.no_grad():
+        copied.model.embed_tokens.weight.mul_(2)  # the copy's weights are its own
+    assert torch.equal(_generate(model, [10, 7], "static", seed=2), expected)
+    assert not torch.equal(_generate(copied, [10, 7], "static", seed=2), expected)
+    assert copied.fx_fastprefill.calls[PREFILL] == 1 and model.fx_fastprefill.calls[PREFILL] == 1
+    llama = _model("llama")  # (the tiny Gemma's hand-slicing switch is a lambda, which never pickles)
+    expected = _generate(llama, [10, 7], "static", seed=2)
+    fx_fastprefill.compile_for_generate(llama, compiler="eager", decode_backend="eager")
+    for compiled in (llama, [llama]):
+        with pytest.raises(TypeError, match=r"call fx_fastprefill.restore\(model\) first"):
+            pickle.dumps(compiled)
+    fx_fastprefill.restore(llama)
+    assert torch.equal(_generate(pickle.loads(pickle.dumps(llama)), [10, 7], "static", seed=2), expected)

@@ -256,7 +256,8 @@ def _resolve(reference: tuple[str, ...]) -> Any:
 
 
 @contextlib.contextmanager
-def _without(model: torch.nn.Module, names: tuple[str, ...]) -> Iterator[None]:
+def without(model: torch.nn.Module, names: tuple[str, ...]) -> Iterator[None]:
+    """Within: the attributes ``names`` taken off the model's instance (put back after)."""
     saved = {name: model.__dict__.pop(name) for name in names if name in model.__dict__}
     try:
         yield
@@ -463,7 +464,7 @@ class PrecompiledFunction:
             # torch 2.11 puts aot_compile on a compiled function only with enable_aot_compile on.
             switches = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
             with context, torch._dynamo.config.patch(specialize_float=True, **switches), \
-                    _without(self.model, self.hidden), _builtins_resolve(), _local_key_order():
+                    without(self.model, self.hidden), _builtins_resolve(), _local_key_order():
                 function = torch.compile(self.method, fullgraph=True, **options).aot_compile((args, kwargs))
         except Exception as e:  # noqa: BLE001 - the path compiles as without precompiling: counted, logged
             log.debug("precompiling %s failed", self.name, exc_info=True)

@@ -150,7 +150,17 @@ def _is_static_cache(cache: Any) -> bool:
     return bool(getattr(cache, "is_compileable", False)) and not isinstance(cache, DynamicCache)
 
 
-class GenerateForward:
+class _NotPickled:
+    """What ``compile_for_generate`` puts on a model holds compiled graphs and the backend: pickling
+    the model (``pickle``, ``torch.save``) says what to do instead of failing deep inside them."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("a model compiled by fx_fastprefill.compile_for_generate does not pickle (its forward "
+                        "holds compiled graphs): call fx_fastprefill.restore(model) first, and compile_for_generate "
+                        "again after loading")
+
+
+class GenerateForward(_NotPickled):
     """The model's ``forward`` while it is compiled for generate: each call to the prefill or the
     decode path, counted (calls, and graphs compiled during them)."""
 
@@ -204,7 +214,7 @@ class GenerateForward:
         def prefill_marks(args: tuple, kwargs: dict, functions: int) -> contextlib.AbstractContextManager:
             return _prefill_marks(args, kwargs, functions, self.prompt_dynamic)
 
-        common = dict(folder=folder, record_fallback=backend.fallbacks.record, hidden=("forward", "generate"),
+        common = dict(folder=folder, record_fallback=backend.fallbacks.record, hidden=INSTANCE_ATTRIBUTES,
                       prepare=clear_dim_marks)
         self.prefill = self.precompiled[PREFILL] = precompiled.PrecompiledFunction(
             self.original, name="prefill", options_key=str(backend.cache_tag), compile_options={"backend": backend},
@@ -300,14 +310,16 @@ def kv_shapes(model: nn.Module, forward: Callable[..., Any], cache: Any) -> list
     return shapes
 
 
-class GenerateCompilation:
+class GenerateCompilation(_NotPickled):
     """What ``compile_for_generate`` set up on a model (``model.fx_fastprefill``): the backend of the
     prefill graphs with its ``reports``, and per path the calls made and the graphs compiled."""
 
-    def __init__(self, forward: GenerateForward, backend: FastPrefillBackend, saved_config: dict[str, Any]):
+    def __init__(self, forward: GenerateForward, backend: FastPrefillBackend, saved_config: dict[str, Any],
+                 arguments: dict[str, Any]):
         self.forward = forward
         self.backend = backend
         self.saved_config = saved_config
+        self.arguments = arguments  # compile_for_generate's, for a deep copy of the model
 
     @property
     def reports(self):
@@ -417,11 +429,29 @@ def compile_for_generate(model: nn.Module, *, backend: FastPrefillBackend | None
     forward = GenerateForward(model, backend, decode_backend, decode_dynamic, folder)
     model.forward = forward
     model.generate = GenerateWithCache(model.generate, cache_implementation)
-    setattr(model, HANDLE, GenerateCompilation(forward, backend, saved))
+    arguments = dict(backend=backend, cache_implementation=cache_implementation, decode_backend=decode_backend,
+                     decode_dynamic=decode_dynamic, precompile=folder or False)
+    setattr(model, HANDLE, GenerateCompilation(forward, backend, saved, arguments))
+    model.__deepcopy__ = functools.partial(_deepcopy_compiled, model)
     return given
 
 
-class GenerateWithCache:
+INSTANCE_ATTRIBUTES = ("forward", "generate", HANDLE, "__deepcopy__")  # what compile_for_generate sets
+
+
+def _deepcopy_compiled(model: nn.Module, memo: dict) -> nn.Module:
+    """``copy.deepcopy`` of a model compiled for generate: the model copied without what
+    compile_for_generate set on it, then compiled the same way (the same backend: its reports and
+    fallbacks cover both models; its own calls and precompiled paths)."""
+    handle = model.__dict__[HANDLE]
+    with precompiled.without(model, INSTANCE_ATTRIBUTES):
+        copied = copy.deepcopy(model, memo)
+    for field, value in handle.saved_config.items():
+        setattr(copied.generation_config, field, value)
+    return compile_for_generate(copied, **handle.arguments)
+
+
+class GenerateWithCache(_NotPickled):
     """The model's ``generate`` while compiled: asks for the cache implementation of
     :func:`compile_for_generate` on calls that name none. A call that passes a cache of its own (a
     chat continued from the last turn's cache), a ``cache_implementation`` or a ``generation_config``
@@ -474,8 +504,8 @@ def restore(model: nn.Module) -> nn.Module:
     if not isinstance(handle, GenerateCompilation):
         raise ValueError(f"{type(model).__name__} is not compiled for generate "
                          f"(fx_fastprefill.compile_for_generate was not called on it)")
-    del model.forward, model.generate
-    delattr(model, HANDLE)
+    for name in INSTANCE_ATTRIBUTES:
+        model.__dict__.pop(name, None)
     for field, value in handle.saved_config.items():
         setattr(model.generation_config, field, value)
     return given

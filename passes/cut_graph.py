@@ -189,6 +189,20 @@ def _insert_gather(gm: GraphModule, plan: HoistPlan, source: Node, layout: Layou
     return gathered
 
 
+def _spell_sizes_of_region_nodes(gm: GraphModule, plan: HoistPlan, sizes: _SizeNodes) -> None:
+    """A size read off a tensor that now holds reduced rows (``sym_size``, left outside the region:
+    gather_hoisting.reads_size) is the full graph's size: spelled from the graph's inputs instead."""
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is aten.sym_size.int and node.args[0] in plan.region):
+            continue
+        val = node.meta["val"]
+        value = sizes(val.node.expr if isinstance(val, torch.SymInt) else sympy.Integer(val), node, FULL_SIZE_NODE)
+        for user in list(node.users):
+            user.args = torch.fx.node.map_aggregate(user.args, lambda a: value if a is node else a)
+            user.kwargs = torch.fx.node.map_aggregate(user.kwargs, lambda a: value if a is node else a)
+        gm.graph.erase_node(node)
+
+
 def cut_graph(gm: GraphModule, plan: HoistPlan) -> list[Node]:
     """Rewrite ``gm`` in place; returns the boundary gather nodes."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -212,6 +226,7 @@ def cut_graph(gm: GraphModule, plan: HoistPlan) -> list[Node]:
             _set_arg(node, path, value)
         if result.set_query_rows:
             _set_arg(node, ("args", QUERY_ROWS), plan.index)
+    _spell_sizes_of_region_nodes(gm, plan, sizes)
     for seed, layout in plan.seeds:
         source = seed.args[0]
         replacement = source if source in plan.region else next(

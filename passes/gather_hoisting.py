@@ -17,9 +17,10 @@ An ``sdpa`` node with ``is_causal`` joins the region for a suffix only: its quer
 the causal mask bottom-right. With an explicit mask (gathered on its query dim) any rows are exact.
 
 Invariants:
-- Sound by construction: a region node's every user is in the region, so nothing outside the
-  region ever sees reduced rows; anything needed whole (attention K/V, which feed the KV cache,
-  broadcast operands, graph outputs) stays in the full region.
+- Sound by construction: a region node's every user is in the region (or reads only its size, which
+  the cut spells from the graph's inputs), so nothing outside the region ever sees reduced rows;
+  anything needed whole (attention K/V, which feed the KV cache, broadcast operands, graph outputs)
+  stays in the full region.
 - Conservative: an op without a rule, or a rule that cannot prove row alignment, stops the hoist.
 - Boundary tensors are tensors: where a multi-output node (a split, a fused QKV chunk) stops the
   hoist, its getitems leave the region and are gathered instead.
@@ -218,6 +219,12 @@ def find_suffix_seed(gm: GraphModule) -> tuple[Node, Layout, sympy.Expr, int | N
     return found
 
 
+def reads_size(node: Node) -> bool:
+    """``node`` reads a size of its input, not its values: it needs no row of it (passes/cut_graph.py
+    spells the size from the graph's inputs where the input now lives in the reduced region only)."""
+    return node.op == "call_function" and node.target is aten.sym_size.int
+
+
 def _output_nodes(gm: GraphModule) -> set[Node]:
     return set(next(n for n in reversed(gm.graph.nodes) if n.op == "output").all_input_nodes)
 
@@ -271,7 +278,7 @@ def analyze(gm: GraphModule) -> HoistPlan:
             continue
         layouts = requested[node]
         reason, blocker = None, None
-        outside = [u for u in node.users if u not in plan.region and u not in seed_nodes]
+        outside = [u for u in node.users if u not in plan.region and u not in seed_nodes and not reads_size(u)]
         if node.op != "call_function":
             reason = "a graph input"
         elif node in outputs:

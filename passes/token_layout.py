@@ -90,8 +90,8 @@ def is_factor(factor: sympy.Expr, rows: sympy.Expr) -> bool:
     """A grouping factor: a positive integer or a product of sizes, free of the row count."""
     if not rows.is_number and rows in factor.free_symbols:
         return False
-    if factor.is_number:
-        return bool(factor > 0 and factor.is_integer)
+    if factor.is_number:  # (a zero-size dim makes 0/0 or x/0: NaN or complex infinity, not a factor)
+        return bool(factor.is_Integer and factor > 0)
     return _is_monomial(factor)
 
 

@@ -174,3 +174,33 @@ def test_the_passes_load_no_kernel_runtime_or_inductor():
                                  "L['self']._modules['model']._modules['layers'][7].self_attn"])
 def test_module_paths_drop_dynamos_root_however_it_reached_the_model(key):
     assert module_path(key) == "model.layers.7.self_attn"
+
+
+def sized(x, idx, w):
+    h = (x @ w).relu()
+    return h.reshape(h.size(0), 2, -1).sum(1)[idx], torch.full((1,), h.size(0))
+
+
+def test_a_size_read_off_a_region_tensor_needs_none_of_its_rows():
+    """``sym_size(h, 0)`` (transformers' MoE reads the routing's token count this way under dynamic
+    shapes) does not stop the hoist at ``h``: the region's view gets the size in R, and the full
+    region's reader (here an output) the full size, spelled from the graph's inputs."""
+    x, idx, w = torch.randn(T, DIM), torch.tensor([2, 4, 6]), torch.randn(DIM, DIM)
+    gm = aten_graph(sized, x, idx, w, dynamic={0: [0], 1: [0]})
+    relu = calls(gm, aten.relu.default)[0]
+    lifted = calls(gm, aten.full.default)[0].args[1]  # AOT lifted T to an input; the MoE graph reads it off h
+    with gm.graph.inserting_after(relu):
+        size = gm.graph.call_function(aten.sym_size.int, (relu, 0))
+    size.meta["val"] = relu.meta["val"].shape[0]
+    lifted.replace_all_uses_with(size)
+    gm.recompile()
+    plan = analyze(gm)
+    assert calls(gm, aten.mm.default)[0] in plan.region, plan.stops
+    cut_graph(gm, plan)
+    assert all(n.args[0].op == "placeholder" for n in calls(gm, aten.sym_size.int))
+    # Inputs: the lifted sizes (by their values), then x, w, idx in the graph's order.
+    tensors = iter((x, w, idx))
+    args = [n.meta["val"].node.hint if isinstance(n.meta["val"], torch.SymInt) else next(tensors)
+            for n in gm.graph.nodes if n.op == "placeholder"]
+    for got, want in zip(gm(*args), sized(x, idx, w)):
+        torch.testing.assert_close(got, want)

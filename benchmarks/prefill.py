@@ -43,7 +43,7 @@ SHAPES = ((1, 2048), (1, 8192), (1, 32768), (8, 4096), (64, 512))
 
 
 def make_runner(variant: str, cfg: Config, weights: dict, device, dtype, max_tokens: int,
-                step_sizes: list[int], logits_sizes: list[int]) -> fx_fastprefill.Runner:
+                step_sizes: list[int], logits_sizes: list[int], max_num_seqs: int = 1) -> fx_fastprefill.Runner:
     with torch.device("meta"):  # no second random init: every variant shares the same weights
         model = Gemma3nLike(cfg, hand_split=variant == "hand_split")
     model.load_state_dict(weights, assign=True)
@@ -54,7 +54,7 @@ def make_runner(variant: str, cfg: Config, weights: dict, device, dtype, max_tok
     # its logits rows to the row counts the benchmark uses (one per sequence), the same for all.
     pad = {"token_pad_sizes": step_sizes} if variant.startswith("ffp_cudagraph") else {}
     return fx_fastprefill.Runner(model, backend=backend, max_num_tokens=max_tokens, max_model_len=16, device=device,
-                                 dtype=dtype, max_num_seqs=1, logits_pad_sizes=logits_sizes, **pad)
+                                 dtype=dtype, max_num_seqs=max_num_seqs, logits_pad_sizes=logits_sizes, **pad)
 
 
 def prompts(batch: int, seq_len: int, vocab: int) -> list[list[int]]:

@@ -85,3 +85,36 @@ def test_serve_targets_report_met_and_missed():
         ("gemma4-e2b", "vllm-8k TPOT p50 <= 1.02 x no_pass"): "yes",
     }
     assert "| gemma3n-e2b | vllm-8k | ffp | 69.0 |" in serve_markdown(records)
+
+
+def test_roofline_flops_are_the_compiled_programs_graph_count():
+    """benchmarks/roofline.py counts FLOPs from the config; the backend counts them from the graphs it
+    compiled (uncut and cut, one prompt of ``prompt_len`` tokens, one logits row): the two agree,
+    on a config whose shapes differ from the defaults (one K/V head, a window shorter than the prompt)."""
+    import torch
+
+    import fx_fastprefill
+    from benchmarks.roofline import step_work
+    from examples.gemma3n import Config, Gemma3nLike
+
+    cfg = Config(n_layers=7, num_kv_shared_layers=3, n_kv_heads=1, n_heads=2, sliding_window=5, mlp_hidden=48,
+                 pattern=3)
+    torch.manual_seed(0)
+    model = Gemma3nLike(cfg).eval()
+    backend = fx_fastprefill.backend(prompt_len=24)
+    runner = fx_fastprefill.Runner(model, backend=backend, max_num_tokens=32, max_num_seqs=1)
+    runner.prefill([[3] * 24])
+    report = runner.report
+    assert report.cut and report.prompt_len == 24
+    uncut, cut = (step_work(cfg, [(24, 0)], c, elt=4) for c in (False, True))
+    assert sum(w.flop for w in uncut.values()) == report.flops_full
+    assert sum(w.flop for w in cut.values()) == report.flops_cut
+    # Bytes: with no rows, what is left is the weights, each counted once (cut or not), the embedding
+    # tables excepted (only their gathered rows move).
+    tables = {"embed.weight", "per_layer_embed.weight"}
+    weights = 4 * sum(p.numel() for name, p in model.named_parameters() if name not in tables)
+    for c in (False, True):
+        assert sum(w.bytes for w in step_work(cfg, [], c, elt=4).values()) == weights
+    # The bytes no program avoids are the same cut or not (each key read once per layer either way):
+    # the cut saves arithmetic and activations, which are not counted.
+    assert sum(w.bytes for w in cut.values()) == sum(w.bytes for w in uncut.values())

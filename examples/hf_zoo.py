@@ -39,6 +39,36 @@ def _build(class_name: str, config_name: str, **values) -> Callable[[], torch.nn
         import transformers
         config = getattr(transformers, config_name)(bos_token_id=1, eos_token_id=2, pad_token_id=0, **values)
         return getattr(transformers, class_name)._from_config(config).eval()
+    build.needs = class_name
+    return build
+
+
+def missing(name: str) -> str | None:
+    """The transformers class an architecture needs, where the installed transformers lacks it
+    (families newer than the oldest release the package supports)."""
+    import transformers
+    needs = getattr(ARCHITECTURES[name][1], "needs", None)
+    return needs if needs and not hasattr(transformers, needs) else None
+
+
+def _mistral_large4(indexer_pattern: str) -> Callable[[], torch.nn.Module]:
+    """Mistral Large 4's text model (MLA latents, a DSA top-k indexer, MoE) with CLA-style sharing:
+    layers 2 and 3 attend to layer 1's latent cache; ``indexer_pattern`` says which layers run their
+    own indexer (``F``) and which reuse the previous one's top-k (``S``). transformers has it only
+    inside the multimodal class; a text-only call never runs the vision tower."""
+    def build():
+        import transformers
+        text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                    num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16, qk_rope_head_dim=4,
+                    qk_nope_head_dim=8, v_head_dim=8, index_topk=4, index_head_dim=8, index_n_heads=2,
+                    first_k_dense_replace=1, kv_source_layers=[0, 1, 1, 1], index_topk_pattern=indexer_pattern,
+                    no_rope_layers=[1, 1, 1, 1], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+                      image_size=32, patch_size=8)
+        config = transformers.MistralLarge4Config(text_config=text, vision_config=vision)
+        return transformers.MistralLarge4ForConditionalGeneration._from_config(config).eval()
+    build.needs = "MistralLarge4ForConditionalGeneration"
     return build
 
 
@@ -83,6 +113,14 @@ ARCHITECTURES: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
     "gemma4_no_hand_slicing": ("KV sharing, the pass alone", _gemma4(hand_slicing=False)),
     "gemma4_moe": ("KV sharing, MoE block", _gemma4(hand_slicing=False, enable_moe_block=True, num_experts=4,
                                                     top_k_experts=2, moe_intermediate_size=32)),
+    "gemma4_unified": ("KV sharing, Gemma 4 unified",
+                       _build("Gemma4UnifiedForCausalLM", "Gemma4UnifiedTextConfig", vocab_size=VOCAB, hidden_size=32,
+                              intermediate_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=8, sliding_window=4, num_kv_shared_layers=2,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                           "sliding_attention", "full_attention"])),
+    "mistral_large4": ("CLA-style latent sharing, shared indexer, MLA, MoE", _mistral_large4("FFSS")),
+    "mistral_large4_own_indexer": ("CLA-style latent sharing, each layer its own indexer", _mistral_large4("FFFF")),
     "deepseek_v3": ("MLA, MoE with grouped routing (gather, scatter)",
                     _build("DeepseekV3ForCausalLM", "DeepseekV3Config", vocab_size=VOCAB, hidden_size=32,
                            intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
@@ -153,6 +191,8 @@ class Record:
 def run_form(name: str, form: Form, compiler: str = "eager") -> Record:
     """Compile ``name`` as ``form`` says, call it, and compare with the model without the pass."""
     torch.manual_seed(0)
+    if missing(name):
+        raise RuntimeError(f"{name} needs transformers.{missing(name)}, which this transformers lacks")
     model = ARCHITECTURES[name][1]()
     vocab = model.config.get_text_config().vocab_size
     backend = fx_fastprefill.backend(compiler=compiler)
@@ -202,6 +242,9 @@ def main() -> None:
     records = []
     print(f"{'architecture':24} {'form':46} {'cut':4} {'reduced':>9} {'rel. error':>10} {'s':>6}")
     for name in args.architectures or ARCHITECTURES:
+        if missing(name):
+            print(f"{name:24} skipped: this transformers has no {missing(name)}", flush=True)
+            continue
         for form in args.forms:
             r = run_form(name, FORMS[form], args.compiler)
             records.append(r)

@@ -6,7 +6,8 @@ Three kinds of attention node:
 - ``fx_fastprefill::sdpa`` (transformers models, see passes/capture_sdpa.py): the relation is
   dataflow. A layer shares K/V when its K and V arguments, followed back through views, expands
   and copies (each layer's own GQA repeat), are the same tensors as an earlier layer's; its source
-  is the first layer that used them.
+  is the first layer that used them. A layer also shares when its K and V do not depend on the
+  previous attention layer's output (made from an earlier layer's latent with weights of its own).
 - eager attention (``attn_implementation="eager"``), recognised by its pattern: ``bmm(Q, K^T)``
   (or ``baddbmm(bias, Q, K^T)``: BLOOM's ALiBi bias added in the product), then elementwise ops
   (scale, softcap, mask) and views, a softmax over the keys (decomposed or not), then
@@ -164,4 +165,23 @@ def find_attention_nodes(graph: Graph) -> list[AttentionNode]:
                 layer = f"{layer}#{eager_names[layer]}"
             keys = scores.args[2] if scores.target is aten.baddbmm.default else scores.args[1]
             found.append(dataflow(node, layer, keys, node.args[1], masked))
+    _sources_computed_earlier(graph, found)
     return found
+
+
+def _sources_computed_earlier(graph: Graph, found: list[AttentionNode]) -> None:
+    """A dataflow layer whose K and V do not depend on the previous attention layer's output reads
+    K/V computed for an earlier layer (cross-layer sharing of a latent, as in mistral_large4's
+    ``kv_source_layers``, where each layer makes its own K/V from the shared latent, so no tensor is
+    shared past views): its source is the first attention layer after the last one its K/V depend on."""
+    position = {a.node: i for i, a in enumerate(found)}
+    after: dict[Node, int] = {}  # node -> the last attention layer (by position) it depends on, -1 for none
+    for node in graph.nodes:
+        latest = max((after[i] for i in node.all_input_nodes), default=-1)
+        after[node] = position.get(node, latest)
+    for i, attn in enumerate(found):
+        if attn.kv_source is not None or attn.keys is None or i == 0:
+            continue
+        latest = max(after[attn.keys], after[attn.values])
+        if latest < i - 1:
+            attn.kv_source = found[latest + 1].layer

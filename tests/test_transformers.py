@@ -196,3 +196,36 @@ def test_logits_to_keep_as_an_index_tensor(dynamic, rows):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     report = backend.reports[-1]
     assert report.cut and "index tensor" in report.row_selection, report.reason
+
+
+@pytest.mark.skipif(not hasattr(transformers, "MistralLarge4ForConditionalGeneration"),
+                    reason="this transformers has no Mistral Large 4")
+@pytest.mark.parametrize("pattern, reduced", [("FFSS", [1, 2, 3]), ("FFFS", [2, 3]), ("FFFF", [3])])
+def test_cla_style_latent_sharing_is_found_from_the_dataflow(pattern, reduced):
+    """Mistral Large 4's ``kv_source_layers``: layers 2 and 3 make their own K/V from layer 1's latent,
+    so no tensor is shared past views; the report names them as sharing layer 1's K/V from the
+    dataflow alone. A layer whose indexer reads the previous layer's output on every row keeps that
+    layer on every row, and the report says so."""
+    from examples.hf_zoo import ARCHITECTURES, _mistral_large4
+    assert "mistral_large4" in ARCHITECTURES
+    torch.manual_seed(0)
+    model = _mistral_large4(pattern)()
+    backend = fx_fastprefill.backend(compiler="eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    ids, mask = left_padded_batch([9, 12], model.config.text_config.vocab_size, pad_id=0, seed=3)
+    assert check_prefill(model, compiled, ids, mask) <= 1e-5
+    report = backend.reports[-1]
+    layer = "model.language_model.layers.{}.self_attn".format
+    assert {a.layer: a.kv_source for a in report.attention_layers} == {
+        layer(0): None, layer(1): None, layer(2): layer(1), layer(3): layer(1)}
+    assert report.eligible_layers == [layer(2), layer(3)]
+    assert report.reduced_layers == [layer(i) for i in reduced]
+    summary = report.summary()
+    assert f"KV-sharing layers (reading an earlier layer's K/V): {layer(2)} <- {layer(1)}" in summary
+    if pattern == "FFFF":
+        assert list(report.unreduced) == [layer(2)]
+        assert "layers.3.self_attn.indexer" in report.unreduced[layer(2)]
+        assert f"not reduced: {layer(2)}: its output reaches" in summary
+    else:
+        assert report.unreduced == {}

@@ -87,6 +87,31 @@ def hoist_stop(stop, report: FastPrefillReport, feeds_kv: dict[Node, list[str]])
                      describe(blocker, report) if blocker is not None else "", kv_layers)
 
 
+def unreduced_reasons(attention, layers: set[str], stops, report: FastPrefillReport) -> dict[str, str]:
+    """Why each of ``layers`` (eligible, not reduced) runs on every row: the last place the hoist
+    stopped downstream of the layer's attention, where its output is needed for all rows."""
+    order = {node: i for i, node in enumerate(report.graph.graph.nodes)} if report.graph is not None else {}
+    reasons = {}
+    for attn in attention:
+        if attn.layer not in layers:
+            continue
+        downstream, stack = set(), [attn.node]
+        while stack:
+            node = stack.pop()
+            for user in node.users:
+                if user not in downstream:
+                    downstream.add(user)
+                    stack.append(user)
+        found = [s for s in stops if s.node in downstream]
+        if found:
+            last = max(found, key=lambda s: order.get(s.node, 0))
+            stop = hoist_stop(last, report, {})
+            reasons[attn.layer] = f"its output reaches {stop.tensor} ({stop.op}), {stop.reason}"
+        else:
+            reasons[attn.layer] = "its output is needed for all rows"
+    return reasons
+
+
 def gathered(node: Node, report: FastPrefillReport) -> GatheredTensor:
     source = node.meta[SOURCE]
     symbols = size_names(report.rows_symbol, report.reduced_rows_symbol)
@@ -155,7 +180,9 @@ def build_report(ctx, input_names: dict, cudagraphs: bool, fallbacks) -> FastPre
             "(logits_to_keep)"
     else:
         report.row_selection = "the last k rows of each sequence (logits_to_keep, k given at run time)"
-    report.reduced_layers = [a.layer for a in find_attention_nodes(ctx.gm.graph) if a.node in reduced_attention]
+    attention = find_attention_nodes(ctx.gm.graph)
+    report.reduced_layers = [a.layer for a in attention if a.node in reduced_attention]
+    report.unreduced = unreduced_reasons(attention, set(ctx.eligible) - set(report.reduced_layers), plan.stops, report)
     report.gathered = [gathered(node, report) for node in ctx.gm.graph.nodes if SOURCE in node.meta]
     report.narrowed = [narrowed_tensor(split, report) for split in ctx.narrowed]
     report.flops_cut = ctx.flops_cut

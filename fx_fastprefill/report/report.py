@@ -62,6 +62,8 @@ class FastPrefillReport:
     eligible_layers: list[str] = field(default_factory=list)
     draft_layers: list[str] = field(default_factory=list)
     reduced_layers: list[str] = field(default_factory=list)
+    # Eligible layers left on every row, each with the reason (report/builder.py: unreduced_reasons).
+    unreduced: dict[str, str] = field(default_factory=dict)
     # How the logits rows are chosen: "rows by logits_indices" or "the last k rows of each sequence".
     row_selection: str = ""
     gathered: list[GatheredTensor] = field(default_factory=list)
@@ -98,6 +100,7 @@ class FastPrefillReport:
             "eligible_layers": list(self.eligible_layers),
             "draft_layers": list(self.draft_layers),
             "reduced_layers": list(self.reduced_layers),
+            "unreduced": dict(self.unreduced),
             "row_selection": self.row_selection,
             "gathered": [asdict(g) for g in self.gathered],
             "narrowed": [asdict(n) for n in self.narrowed],
@@ -139,8 +142,11 @@ class FastPrefillReport:
         if not self.cut:
             lines.append(f"not cut: {self.reason}")
         lines.append(f"attention layers: {len(self.attention_layers)}")
+        sharing = [f"{a.layer} <- {a.kv_source}" for a in self.attention_layers if a.kv_source]
+        lines.append(f"KV-sharing layers (reading an earlier layer's K/V): {', '.join(sharing) or 'none'}")
         lines.append(f"eligible layers (trailing KV-sharing run): {', '.join(self.eligible_layers) or 'none'}")
         lines.append(f"reduced layers (queries on logits rows): {', '.join(self.reduced_layers) or 'none'}")
+        lines.extend(f"  not reduced: {layer}: {why}" for layer, why in self.unreduced.items())
         if self.row_selection:
             lines.append(f"logits rows: {self.row_selection}")
         lines.append("gathered at the boundary:")

@@ -41,6 +41,10 @@ PRECOMPILED_STALE = ("a saved precompiled function was traced from source files 
                      "saved: skipped (another is compiled for the code as it is now)")
 PRECOMPILE_FOLDER_FAILED = ("a file of the precompile folder could not be read or written (a read-only folder, a file "
                             "in its place): this process runs without it")
+# Compile_for_generate: the static cache's K/V shapes could not be probed (K and V of different shapes,
+# as in an MLA latent cache, or the probe failed): the cache is made inside the compiled prefill.
+STATIC_CACHE_IN_PREFILL = ("the static cache's K/V shapes are not known before the prefill: its tensors are made "
+                           "inside the compiled prefill, and decode CUDA graphs may copy them every step")
 PRECOMPILED_GUARD_MISS = "no saved precompiled function's guards pass for this call: another one is compiled and saved"
 # Compile-time: piecewise CUDA graphs were asked for but cannot be used for this graph.
 CUDAGRAPHS_NOT_CUDA = "CUDA graphs asked for, but the graph's inputs are not on a CUDA device: compiled without them"

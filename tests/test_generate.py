@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 import fx_fastprefill  # noqa: E402
 from examples.hf_check import left_padded_batch  # noqa: E402
 from examples.hf_zoo import ARCHITECTURES  # noqa: E402
+from fx_fastprefill import fallbacks  # noqa: E402
 from fx_fastprefill.integrations.generate import DECODE, PREFILL  # noqa: E402
 
 # Three prompt lengths (one graph must serve them all), all longer than the tiny Gemmas' sliding
@@ -26,11 +27,16 @@ from fx_fastprefill.integrations.generate import DECODE, PREFILL  # noqa: E402
 LENGTHS = [10, 14, 18]
 # Gemma 3n with the static cache only (compile_for_generate's default): a DynamicCache leaves
 # decode uncompiled, the same path for every model, checked on Gemma 4 and Llama.
+# Mistral Large 4: CLA-style sharing of an MLA latent (its K and V of two widths: the static cache is
+# made inside the prefill, counted).
 CASES = [("gemma3n", "static"), ("gemma4_no_hand_slicing", "static"), ("gemma4", "dynamic"), ("llama", "static"),
-         ("llama", "dynamic")]
+         ("llama", "dynamic"), ("mistral_large4", "static")]
 
 
 def _model(name: str):
+    from examples.hf_zoo import missing
+    if missing(name):
+        pytest.skip(f"this transformers has no {missing(name)}")
     torch.manual_seed(0)
     return ARCHITECTURES[name][1]()
 
@@ -64,7 +70,9 @@ def test_generate_matches_and_compiles_once(name, cache):
     assert handle.calls == {PREFILL: len(LENGTHS), DECODE: 4 * len(LENGTHS)}
     prefill = handle.reports[0]
     assert prefill.cut, prefill.reason
-    if name in ("gemma3n", "gemma4_no_hand_slicing"):  # the KV-shared layers run on the logits rows
+    if name == "mistral_large4":
+        assert handle.backend.fallbacks[fallbacks.STATIC_CACHE_IN_PREFILL] == len(LENGTHS)
+    if name in ("gemma3n", "gemma4_no_hand_slicing", "mistral_large4"):  # the KV-shared layers on the logits rows
         assert set(prefill.eligible_layers) <= set(prefill.reduced_layers) and prefill.eligible_layers
     else:  # Llama: the last layer's queries; Gemma 4 slices its shared layers itself, the pass the layer before
         assert prefill.reduced_layers == ["model.layers.2.self_attn"]

@@ -264,9 +264,9 @@ class GenerateForward(_NotPickled):
         if self.kv_shapes is None:
             self.kv_shapes = self._kv_shapes(cache)
         if not self.kv_shapes:
-            log.warning("the static cache of %s cannot be allocated before the prefill; its tensors are made inside "
-                        "the compiled prefill, and decode CUDA graphs may copy them every step",
-                        type(self.model).__name__)
+            if fallbacks.STATIC_CACHE_IN_PREFILL not in self.backend.fallbacks:
+                log.warning("%s: %s", type(self.model).__name__, fallbacks.STATIC_CACHE_IN_PREFILL)
+            self.backend.fallbacks.record(fallbacks.STATIC_CACHE_IN_PREFILL)
             return
         heads, head_dims = zip(*self.kv_shapes)
         cache.early_initialization(batch, list(heads), list(head_dims), dtype=self.model.dtype,

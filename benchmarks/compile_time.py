@@ -57,7 +57,7 @@ def child(args) -> dict:
     from torch._dynamo.utils import compilation_time_metrics, counters
     sys.path.insert(0, str(ROOT))
     import fx_fastprefill
-    from fx_fastprefill.integrations.generate import mark_prompt_dynamic
+    from fx_fastprefill.integrations.generate_inputs import mark_prompt_dynamic
     model = build(args.model, args.device).eval()
     if args.device == "cuda":
         model.to(torch.bfloat16)

@@ -31,7 +31,7 @@ import logging
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -40,114 +40,13 @@ from .. import fallbacks
 from ..compilation.backend import FastPrefillBackend
 from ..compilation.backend import backend as make_backend
 from ..compilation import precompiled
+from .generate_inputs import (cache_of, clear_dim_marks, graphs_compiled, input_ids_of, is_static_cache, kv_shapes,
+                              mark_prompt_dynamic, new_tokens, prefill_marks)
 
 log = logging.getLogger("fx_fastprefill")
 
 PREFILL, DECODE = "prefill", "decode"
 HANDLE = "fx_fastprefill"  # the attribute the model carries while compiled for generate
-
-
-def _graphs_compiled() -> int:
-    """Dynamo's count of graphs compiled in this process (any backend): the difference around a
-    call is what that call compiled."""
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
-
-
-def _input_ids(args: tuple, kwargs: dict) -> Any:
-    return kwargs.get("input_ids", args[0] if args else None)
-
-
-def _new_tokens(args: tuple, kwargs: dict) -> int | None:
-    """Tokens per sequence in this call (``input_ids`` or ``inputs_embeds``); None if neither."""
-    ids = _input_ids(args, kwargs)
-    if isinstance(ids, torch.Tensor):
-        return ids.shape[-1]
-    embeds = kwargs.get("inputs_embeds")
-    return embeds.shape[-2] if isinstance(embeds, torch.Tensor) else None
-
-
-def _cache(kwargs: dict) -> Any:
-    """The cache argument: ``past_key_values`` (transformers <= 5.24), ``cache`` (5.25)."""
-    cache = kwargs.get("past_key_values")
-    return kwargs.get("cache") if cache is None else cache
-
-
-def _cache_argument(forward: Callable[..., Any]) -> str:
-    """The name a forward takes its cache by: ``cache`` (transformers 5.25 on), ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-
-
-def mark_prompt_dynamic(args: tuple, kwargs: dict) -> None:
-    """Mark the prompt-length dims of a prefill call's inputs dynamic (and a static cache's length),
-    the batch and everything else static: one graph for every prompt length, without
-    ``dynamic=True``'s symbols for every dim and int (slower to trace, and it retraces once to
-    specialize float scalars)."""
-    mark = torch._dynamo.maybe_mark_dynamic
-    for name, tensor in (("input_ids", _input_ids(args, kwargs)), ("position_ids", kwargs.get("position_ids")),
-                         ("inputs_embeds", kwargs.get("inputs_embeds"))):
-        if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
-            mark(tensor, tensor.dim() - (2 if name == "inputs_embeds" else 1))
-    masks = kwargs.get("attention_mask")
-    for mask in masks.values() if isinstance(masks, dict) else [masks]:
-        if isinstance(mask, torch.Tensor):
-            for dim in range(1, mask.dim()) if mask.dim() == 2 else (mask.dim() - 2, mask.dim() - 1):
-                mark(mask, dim)
-    for layer in getattr(_cache(kwargs), "layers", []):
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(tensor, torch.Tensor) and tensor.dim() == 4:
-                mark(tensor, 2)
-
-
-def _marked_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors of a prefill call whose dims the marks below make dynamic."""
-    masks = kwargs.get("attention_mask")
-    tensors = [_input_ids(args, kwargs), kwargs.get("position_ids"), kwargs.get("inputs_embeds"),
-               *(masks.values() if isinstance(masks, dict) else [masks])]
-    for layer in getattr(_cache(kwargs), "layers", []):
-        tensors += [getattr(layer, "keys", None), getattr(layer, "values", None)]
-    return [t for t in tensors if isinstance(t, torch.Tensor)]
-
-
-def mark_batch_dynamic(args: tuple, kwargs: dict) -> None:
-    """Mark the batch dims of a prefill call's inputs dynamic too: what Dynamo's automatic dynamic
-    does for a second graph, done before a second precompiled one (a batch of 1 stays specialized)."""
-    for tensor in _marked_tensors(args, kwargs):
-        if tensor.dim() >= 2:
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
-
-
-DIM_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
-             "_dynamo_strict_unbacked_indices", "_dynamo_static_indices", "_has_dynamo_dim_marking")
-
-
-def clear_dim_marks(args: tuple, kwargs: dict) -> None:
-    """Take Dynamo's dim marks off a call's tensors. A precompiled function's guards, loaded from a
-    file, expect unmarked tensors (torch saves the compile-time tensors without their marks), so the
-    precompiled paths mark only while compiling and clear the marks before every guard check."""
-    for tensor in _marked_tensors(args, kwargs):
-        for mark in DIM_MARKS:
-            tensor.__dict__.pop(mark, None)
-
-
-@contextlib.contextmanager
-def _prefill_marks(args: tuple, kwargs: dict, functions: int, prompt_dynamic: bool) -> Iterator[None]:
-    """While a precompiled prefill compiles: the prompt dims dynamic, the batch dims too after the
-    first function (an automatic-dynamic second graph)."""
-    if prompt_dynamic:
-        mark_prompt_dynamic(args, kwargs)
-        if functions:
-            mark_batch_dynamic(args, kwargs)
-    try:
-        yield
-    finally:
-        clear_dim_marks(args, kwargs)
-
-
-def _is_static_cache(cache: Any) -> bool:
-    """A cache of fixed-size tensors updated in place (transformers' StaticCache and kin)."""
-    from transformers import DynamicCache
-    return bool(getattr(cache, "is_compileable", False)) and not isinstance(cache, DynamicCache)
 
 
 class _NotPickled:
@@ -184,9 +83,9 @@ class GenerateForward(_NotPickled):
         self.compiles: Counter[str] = Counter()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        cache = _cache(kwargs)
-        static = _is_static_cache(cache)
-        if _new_tokens(args, kwargs) == 1 and cache is not None:
+        cache = cache_of(kwargs)
+        static = is_static_cache(cache)
+        if new_tokens(args, kwargs) == 1 and cache is not None:
             path, run = DECODE, (self.static_decode if static else self.original)
         else:
             path, run = PREFILL, self.prefill
@@ -194,10 +93,10 @@ class GenerateForward(_NotPickled):
                 self._initialize(cache, args, kwargs)
             if self.prompt_dynamic and PREFILL not in self.precompiled:  # precompiled: marked while compiling
                 mark_prompt_dynamic(args, kwargs)
-        before = _graphs_compiled()
+        before = graphs_compiled()
         out = run(*args, **kwargs)
         self.calls[path] += 1
-        self.compiles[path] += _graphs_compiled() - before
+        self.compiles[path] += graphs_compiled() - before
         return out
 
     def _precompile(self, folder: Path, backend: FastPrefillBackend, decode_backend: str | Callable,
@@ -211,14 +110,14 @@ class GenerateForward(_NotPickled):
                 mark_prompt_dynamic(args, kwargs)
             return compiled_prefill(*args, **kwargs)
 
-        def prefill_marks(args: tuple, kwargs: dict, functions: int) -> contextlib.AbstractContextManager:
-            return _prefill_marks(args, kwargs, functions, self.prompt_dynamic)
+        def marks(args: tuple, kwargs: dict, functions: int) -> contextlib.AbstractContextManager:
+            return prefill_marks(args, kwargs, functions, self.prompt_dynamic)
 
         common = dict(folder=folder, record_fallback=backend.fallbacks.record, hidden=INSTANCE_ATTRIBUTES,
                       prepare=clear_dim_marks)
         self.prefill = self.precompiled[PREFILL] = precompiled.PrecompiledFunction(
             self.original, name="prefill", options_key=str(backend.cache_tag), compile_options={"backend": backend},
-            fallback=prefill_fallback, compile_context=prefill_marks, loader=backend.adopt_loaded,
+            fallback=prefill_fallback, compile_context=marks, loader=backend.adopt_loaded,
             keyable=backend.cache_tag is not None, **common)
         options = torch._inductor.list_mode_options(self.decode_mode, decode_dynamic) if self.decode_mode else {}
         self.static_decode = self.precompiled[DECODE] = precompiled.PrecompiledFunction(
@@ -259,7 +158,7 @@ class GenerateForward(_NotPickled):
         layers = getattr(cache, "layers", [])
         if all(getattr(layer, "is_initialized", True) for layer in layers):
             return
-        ids = _input_ids(args, kwargs)
+        ids = input_ids_of(args, kwargs)
         batch = (ids if isinstance(ids, torch.Tensor) else kwargs["inputs_embeds"]).shape[0]
         if self.kv_shapes is None:
             self.kv_shapes = self._kv_shapes(cache)
@@ -271,43 +170,6 @@ class GenerateForward(_NotPickled):
         heads, head_dims = zip(*self.kv_shapes)
         cache.early_initialization(batch, list(heads), list(head_dims), dtype=self.model.dtype,
                                    device=self.model.device)
-
-
-def kv_shapes(model: nn.Module, forward: Callable[..., Any], cache: Any) -> list[tuple[int, int]]:
-    """Per cache layer, the (K/V heads, head dim) the model writes to a static cache like ``cache``;
-    [] where they cannot be known (K and V of different sizes, or the probe failed).
-
-    The model's ``forward`` (uncompiled) runs once on fake tensors (no memory, no compute) with one
-    token over a fresh copy of the cache, and each layer's lazily made tensors are read: the shapes
-    transformers itself would allocate, for every model (Falcon's one shared K/V head whatever its
-    config says, per-layer head dims), where a config-derived shape can be wrong. Module state the
-    forward sets (a rotary cache, say) is put back as it was, so no fake tensor stays behind."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    probe = copy.deepcopy(cache)
-    state = [(module, dict(module.__dict__), dict(module._buffers)) for module in model.modules()]
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
-            forward(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_argument(forward): probe})
-    except Exception as e:  # noqa: BLE001 - the shapes are then unknown: the cache is made in the prefill
-        log.warning("probing the K/V shapes of %s failed (%s: %s)", type(model).__name__, type(e).__name__, e)
-        return []
-    finally:
-        for module, attributes, buffers in state:
-            module.__dict__.clear()
-            module.__dict__.update(attributes)
-            module._buffers.clear()
-            module._buffers.update(buffers)
-    shapes = []
-    for layer in probe.layers:
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if not getattr(layer, "supports_early_init", True) or keys is None:
-            shapes.append((1, 1))  # a layer early initialization skips (a KV-shared layer's placeholder)
-        elif keys.shape[1] != values.shape[1] or keys.shape[-1] != values.shape[-1]:
-            return []  # early_initialization makes K and V of one shape
-        else:
-            shapes.append((keys.shape[1], keys.shape[-1]))
-    return shapes
 
 
 class GenerateCompilation(_NotPickled):
@@ -464,7 +326,7 @@ class GenerateWithCache(_NotPickled):
         functools.update_wrapper(self, generate)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        chosen = _cache(kwargs) is not None or kwargs.get("generation_config") is not None
+        chosen = cache_of(kwargs) is not None or kwargs.get("generation_config") is not None
         if _assisted(self.original.__self__, kwargs):
             # transformers (5.23) runs assisted generation on a DynamicCache only, and passes a
             # cache_implementation on to the assistant together with its cache (refused, uncompiled

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: random prompts, tiny traced graphs, where a product runs."""
+"""Helpers shared by the tests: random prompts, tiny traced graphs, where a product runs, a small flat
+model run through fixed steps, and a CPU stand-in for CUDA graphs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import fx_fastprefill
+from fx_fastprefill import SeqChunk
 from fx_fastprefill.passes.split_regions import assign_regions
+from examples.gemma3n import Config, Gemma3nLike
 
 aten = torch.ops.aten
 
@@ -83,3 +87,65 @@ def aten_graph(fn, *inputs, dynamic: dict[int, list[int]] | None = None) -> Grap
         if not captured:
             raise
     return captured[-1]
+
+
+STEPS = [
+    [SeqChunk(0, list(range(1, 15)), 1), SeqChunk(1, list(range(5, 25)), 0)],
+    [SeqChunk(0, [7]), SeqChunk(1, list(range(25, 31)), 3), SeqChunk(2, list(range(40, 52)), 2)],
+    [SeqChunk(0, [8, 9, 10], 3), SeqChunk(1, [11], 1), SeqChunk(2, list(range(60, 63)), 1)],
+    [SeqChunk(0, [12]), SeqChunk(1, [13]), SeqChunk(2, [14])],
+    [SeqChunk(0, [15])],
+]
+
+
+def small_model():
+    """A small flat Gemma-3n-like model: 5 layers, 2 sharing K/V, a window of 5."""
+    torch.manual_seed(5)
+    return Gemma3nLike(Config(n_layers=5, pattern=3, num_kv_shared_layers=2, sliding_window=5))
+
+
+def run_steps(backend, device="cpu", dtype=torch.float32, capture=False, **options):
+    """The STEPS through a Runner of the small model; the runner and each step's logits."""
+    runner = fx_fastprefill.Runner(small_model(), backend=backend, max_num_tokens=64, max_model_len=96, device=device,
+                                   dtype=dtype, **options)
+    if capture:
+        runner.capture(progress=False)
+    return runner, [runner.step(chunks) for chunks in STEPS]
+
+
+class RerunGraph:
+    """A CUDA graph's contract on the CPU: replay reads the recorded input tensors and writes the
+    recorded output tensors, whatever the caller holds."""
+
+    def __init__(self, fn, args, outputs):
+        self.fn, self.args, self.outputs = fn, list(args), outputs
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        for out, new in zip(self.outputs, self.fn(list(self.args))):
+            if isinstance(out, torch.Tensor):
+                out.copy_(new)
+
+
+class RerunRecorder:
+    """Records a piece as a RerunGraph (the backend's ``graph_recorder``, in place of CUDA graphs)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def new_pool(self):
+        return None
+
+    def capture(self, fn, args, pool):
+        outputs = fn(list(args))
+        self.graphs.append(RerunGraph(fn, args, outputs))
+        return self.graphs[-1], outputs
+
+    @staticmethod
+    def alias(t):
+        return t
+
+    @property
+    def replays(self):
+        return sum(g.replays for g in self.graphs)

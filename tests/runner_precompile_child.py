@@ -1,6 +1,6 @@
 """One process of tests/test_precompiled.py's Runner restart: ``Runner(precompile=FOLDER)`` on a
 small flat model with piecewise graphs (the CPU stand-in recorder), captured, then the steps of
-tests/test_cudagraphs.py, compared with the model run without the pass or graphs; prints what was
+tests/helpers.py (STEPS), compared with the model run without the pass or graphs; prints what was
 traced, loaded and compiled as JSON (the last line of stdout).
 
     python -m tests.runner_precompile_child FOLDER [--weights-seed N]
@@ -22,7 +22,7 @@ def main() -> None:
     import fx_fastprefill
     from fx_fastprefill.compilation.backend import FastPrefillBackend
     from examples.gemma3n import Config, Gemma3nLike
-    from tests.test_cudagraphs import STEPS, RerunRecorder
+    from tests.helpers import STEPS, RerunRecorder
     from torch._dynamo.utils import counters
 
     def runner(backend, **options):

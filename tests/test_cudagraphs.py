@@ -19,29 +19,7 @@ from fx_fastprefill.compilation.cudagraphs import StagingBuffers
 from fx_fastprefill.ops.schema import is_package_op
 from fx_fastprefill.passes.split_pieces import EAGER, GRAPH, VIEWS, runs_eagerly, split_pieces
 from fx_fastprefill.runtime.batch import default_token_pad_sizes
-from examples.gemma3n import Config, Gemma3nLike
-
-STEPS = [
-    [SeqChunk(0, list(range(1, 15)), 1), SeqChunk(1, list(range(5, 25)), 0)],
-    [SeqChunk(0, [7]), SeqChunk(1, list(range(25, 31)), 3), SeqChunk(2, list(range(40, 52)), 2)],
-    [SeqChunk(0, [8, 9, 10], 3), SeqChunk(1, [11], 1), SeqChunk(2, list(range(60, 63)), 1)],
-    [SeqChunk(0, [12]), SeqChunk(1, [13]), SeqChunk(2, [14])],
-    [SeqChunk(0, [15])],
-]
-
-
-def model():
-    torch.manual_seed(5)
-    return Gemma3nLike(Config(n_layers=5, pattern=3, num_kv_shared_layers=2, sliding_window=5))
-
-
-def run(backend, device="cpu", dtype=torch.float32, capture=False, **options):
-    runner = fx_fastprefill.Runner(model(), backend=backend, max_num_tokens=64, max_model_len=96, device=device,
-                                   dtype=dtype, **options)
-    if capture:
-        runner.capture(progress=False)
-    return runner, [runner.step(chunks) for chunks in STEPS]
-
+from tests.helpers import STEPS, RerunRecorder, run_steps, small_model
 
 def test_default_sizes_pad_little():
     sizes = default_token_pad_sizes(8192)
@@ -53,53 +31,15 @@ def test_default_sizes_pad_little():
 def reference() -> list[torch.Tensor]:
     """The model's logits without the cut, padding or graphs."""
     torch._dynamo.reset()
-    return run(fx_fastprefill.backend(compiler="eager", fast_prefill=False))[1]
+    return run_steps(fx_fastprefill.backend(compiler="eager", fast_prefill=False))[1]
 
 
 def test_padded_steps_give_the_same_logits():
     # Padding rows belong to a request of their own: the real rows' logits must not change.
-    runner, padded = run(fx_fastprefill.backend(compiler="eager"), token_pad_sizes=[16, 48, 64])
+    runner, padded = run_steps(fx_fastprefill.backend(compiler="eager"), token_pad_sizes=[16, 48, 64])
     for p, q in zip(reference(), padded):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5)
     assert runner.report.cut
-
-
-class RerunGraph:
-    """A CUDA graph's contract on the CPU: replay reads the recorded input tensors and writes the
-    recorded output tensors, whatever the caller holds."""
-
-    def __init__(self, fn, args, outputs):
-        self.fn, self.args, self.outputs = fn, list(args), outputs
-        self.replays = 0
-
-    def replay(self):
-        self.replays += 1
-        for out, new in zip(self.outputs, self.fn(list(self.args))):
-            if isinstance(out, torch.Tensor):
-                out.copy_(new)
-
-
-class RerunRecorder:
-    """Records a piece as a RerunGraph (the backend's ``graph_recorder``, in place of CUDA graphs)."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def new_pool(self):
-        return None
-
-    def capture(self, fn, args, pool):
-        outputs = fn(list(args))
-        self.graphs.append(RerunGraph(fn, args, outputs))
-        return self.graphs[-1], outputs
-
-    @staticmethod
-    def alias(t):
-        return t
-
-    @property
-    def replays(self):
-        return sum(g.replays for g in self.graphs)
 
 
 def test_recorded_pieces_replay_the_model():
@@ -110,7 +50,7 @@ def test_recorded_pieces_replay_the_model():
     torch._dynamo.reset()
     recorder = RerunRecorder()
     backend = FastPrefillBackend(compiler="eager", cudagraphs=True, graph_recorder=recorder)
-    runner, replayed = run(backend, capture=True, token_pad_sizes=[16, 48, 64])
+    runner, replayed = run_steps(backend, capture=True, token_pad_sizes=[16, 48, 64])
     for p, q in zip(plain, replayed):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5)
     assert runner.report.cut and runner.report.cudagraphs and recorder.replays > 0
@@ -204,11 +144,11 @@ def test_piece_signatures_differ_by_what_the_code_depends_on_not_by_names():
 
 def test_bad_pad_sizes_and_seq_ids():
     with pytest.raises(ValueError, match="token_pad_sizes must be ints in"):
-        fx_fastprefill.Runner(model(), backend=fx_fastprefill.backend(compiler="eager"), max_num_tokens=8,
+        fx_fastprefill.Runner(small_model(), backend=fx_fastprefill.backend(compiler="eager"), max_num_tokens=8,
                               token_pad_sizes=[4, 16])
     with pytest.raises(ValueError, match="token_pad_sizes needs a compiled model"):
-        fx_fastprefill.Runner(model(), max_num_tokens=8, token_pad_sizes=[4])
-    runner = fx_fastprefill.Runner(model(), max_num_tokens=8)
+        fx_fastprefill.Runner(small_model(), max_num_tokens=8, token_pad_sizes=[4])
+    runner = fx_fastprefill.Runner(small_model(), max_num_tokens=8)
     with pytest.raises(ValueError, match="seq_id must be a non-negative int"):
         runner.step([SeqChunk(-1, [1, 2])])
     with pytest.raises(ValueError, match="cudagraphs=True needs compiler='inductor'"):
@@ -229,15 +169,15 @@ def test_cudagraphs_on_the_cpu_fall_back_with_a_reason():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cudagraph_replays_match_the_model_without_graphs():
-    _, reference = run(fx_fastprefill.backend(), "cuda", torch.bfloat16)
+    _, reference = run_steps(fx_fastprefill.backend(), "cuda", torch.bfloat16)
     backend = fx_fastprefill.backend(cudagraphs=True)
-    runner, replayed = run(backend, "cuda", torch.bfloat16, capture=True, token_pad_sizes=[2, 4, 8, 16, 32, 64])
+    runner, replayed = run_steps(backend, "cuda", torch.bfloat16, capture=True, token_pad_sizes=[2, 4, 8, 16, 32, 64])
     assert runner.report.cudagraphs and runner.report.cut
     assert backend.fallbacks[fallbacks.CUDAGRAPH_RECORD_FAILED] == 0, dict(backend.fallbacks)
     # Every step after capture() replays: no size is first seen while serving.
     warmups = backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP]
-    run_steps = [runner.step(chunks) for chunks in [[SeqChunk(10, list(range(1, 30)), 1)], [SeqChunk(11, [3, 4, 5])]]]
-    assert all(torch.isfinite(r).all() for r in run_steps)
+    later = [runner.step(chunks) for chunks in [[SeqChunk(10, list(range(1, 30)), 1)], [SeqChunk(11, [3, 4, 5])]]]
+    assert all(torch.isfinite(r).all() for r in later)
     for r, g in zip(reference, replayed):
         torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-2)
     assert backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP] - warmups <= 2  # at most the pure-decode full-rows size
@@ -283,7 +223,7 @@ def test_the_piece_split_is_a_timed_and_dumped_pass(tmp_path, monkeypatch):
     monkeypatch.setenv("FX_FASTPREFILL_DUMP_GRAPHS", str(tmp_path))
     torch._dynamo.reset()
     backend = FastPrefillBackend(compiler="eager", cudagraphs=True, graph_recorder=RerunRecorder())
-    runner, _ = run(backend, token_pad_sizes=[16, 32, 64])
+    runner, _ = run_steps(backend, token_pad_sizes=[16, 32, 64])
     assert runner.report.cut and "pieces" in runner.report.pass_seconds
     [dump] = tmp_path.glob("*_pieces.txt")
     text = dump.read_text()
@@ -297,7 +237,7 @@ def test_after_capture_no_step_warms_up_with_or_without_the_pass(fast_prefill):
     pair. No step after it runs a region without graphs."""
     backend = FastPrefillBackend(compiler="eager", cudagraphs=True, graph_recorder=RerunRecorder(),
                                  fast_prefill=fast_prefill)
-    runner, _ = run(backend, capture=True, token_pad_sizes=[16, 32, 64])
+    runner, _ = run_steps(backend, capture=True, token_pad_sizes=[16, 32, 64])
     assert runner.report.cut == fast_prefill and runner.report.cudagraphs
     warm_ups = backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP]
     runner.step([SeqChunk(20, list(range(1, 40)), 1), SeqChunk(21, [3, 4, 5], 3)])  # (T, R) = (64, 4)

@@ -82,14 +82,14 @@ def test_another_option_misses_the_program_it_would_otherwise_be_served(tmp_path
 
 
 def _runner_steps(backend, **options):
-    from tests.test_cudagraphs import run
+    from tests.helpers import run_steps as run
     return run(backend, **options)
 
 
 def test_a_loaded_program_computes_what_the_compiled_one_does(tmp_path, monkeypatch):
     """Cut, gated, piecewise with the stand-in recorder: compiled, then (after a Dynamo reset) the
     same graph again from the cache, which must replay the same logits."""
-    from tests.test_cudagraphs import RerunRecorder
+    from tests.helpers import RerunRecorder
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: the first compile is one
     for options in (dict(compiler="eager"), dict(compiler="eager", cudagraphs=True, graph_recorder=RerunRecorder())):
         torch._dynamo.reset()

@@ -1,17 +1,17 @@
 """benchmarks/serve.py's serving loop on the CPU: continuous batching with chunked prefill, with
 and without the pass, decode steps through whole-step graphs (the stand-in recorder of
-test_cudagraphs), the same greedy tokens as the model run eagerly, request by request."""
+tests/helpers.py), the same greedy tokens as the model run eagerly, request by request."""
 
 from __future__ import annotations
 
 import fx_fastprefill
 from benchmarks.serve import SMOKE_WORKLOADS, Workload, make_requests, percentile, serve, summarize
 from fx_fastprefill.compilation.backend import FastPrefillBackend
-from tests.test_cudagraphs import RerunRecorder, model
+from tests.helpers import RerunRecorder, small_model
 
 
 def _serve(backend, workload: Workload):
-    runner = fx_fastprefill.Runner(model(), backend=backend, max_num_tokens=32, max_model_len=80, max_num_seqs=3,
+    runner = fx_fastprefill.Runner(small_model(), backend=backend, max_num_tokens=32, max_model_len=80, max_num_seqs=3,
                                    **({"token_pad_sizes": [2, 4, 8, 16, 32]} if backend is not None else {}))
     requests = make_requests(workload, 512, seed=3)
     served = serve(runner, requests, workload, seed=3, progress=False)
@@ -22,7 +22,7 @@ def test_serve_with_and_without_the_pass_gives_the_eager_tokens():
     workload = SMOKE_WORKLOADS["mixed-c8"]  # 8 requests, prompts 4-60 (chunked at 32), concurrency 3
     _, requests, _ = _serve(None, workload)
     expected = [r.output for r in requests]
-    eager = fx_fastprefill.Runner(model(), max_num_tokens=80, max_model_len=80)
+    eager = fx_fastprefill.Runner(small_model(), max_num_tokens=80, max_model_len=80)
     assert expected == [eager.generate([r.prompt], r.max_new_tokens)[0] for r in requests]  # one at a time
     for fast_prefill in (True, False):
         backend = FastPrefillBackend(compiler="eager", fast_prefill=fast_prefill, cudagraphs=True,

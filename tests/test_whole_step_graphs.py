@@ -1,5 +1,5 @@
 """Whole-step CUDA graphs (runtime/whole_step_graphs.py): steps whose every row needs logits run as
-one recorded graph. On the CPU with the stand-in recorder of test_cudagraphs (a replay reruns the
+one recorded graph. On the CPU with the stand-in recorder of tests/helpers.py (a replay reruns the
 recorded function on the recorded inputs: only what the input buffer holds may change a result),
 against the same model without graphs or the pass; with real CUDA graphs on the GPU."""
 
@@ -17,14 +17,14 @@ from fx_fastprefill.ops.kernels.reference import reference_attention
 from fx_fastprefill.ops.kv_cache import KVCache
 from fx_fastprefill.ops.step_context import DecodeRows, StepMetadata
 from tests.helpers import random_prompts
-from tests.test_cudagraphs import RerunRecorder, model
+from tests.helpers import RerunRecorder, small_model
 
 PROMPTS = random_prompts(3, 3, 20, 512, seed=4)  # longer than the model's window of 5
 PAD_SIZES = [2, 4, 8, 16, 64]
 
 
 def make_runner(backend, **options) -> fx_fastprefill.Runner:
-    return fx_fastprefill.Runner(model(), backend=backend, max_num_tokens=64, max_model_len=96, max_num_seqs=4,
+    return fx_fastprefill.Runner(small_model(), backend=backend, max_num_tokens=64, max_model_len=96, max_num_seqs=4,
                                  **options)
 
 
@@ -114,8 +114,8 @@ def test_gathered_decode_attention_matches_the_reference(window):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_whole_step_cuda_graphs_match_the_model_without_graphs():
     def runner(backend, **options):
-        return fx_fastprefill.Runner(model(), backend=backend, max_num_tokens=64, max_model_len=96, max_num_seqs=4,
-                                     device="cuda", dtype=torch.bfloat16, **options)
+        return fx_fastprefill.Runner(small_model(), backend=backend, max_num_tokens=64, max_model_len=96,
+                                     max_num_seqs=4, device="cuda", dtype=torch.bfloat16, **options)
     plain = runner(fx_fastprefill.backend(fast_prefill=False))
     graphed = runner(fx_fastprefill.backend(cudagraphs=True), token_pad_sizes=PAD_SIZES)
     graphed.capture(progress=False)

@@ -6,6 +6,7 @@ speedups are over the ``--baseline`` variant of the same model and shape, in the
     python3 benchmarks/tables.py benchmarks/results/2026-12-03-h200-hf-*.json --baseline inductor
     python3 benchmarks/tables.py RESULTS.json --plot speedup.png
     python3 benchmarks/tables.py --serve benchmarks/results/*-serve-*e2b.json --plot serve.png
+    python3 benchmarks/tables.py --roofline benchmarks/results/*-roofline-*.json
 """
 
 from __future__ import annotations
@@ -231,6 +232,45 @@ def serve_plot(records: list[dict], path: str) -> None:
     fig.savefig(path)
 
 
+# Issue 41's targets: the cut program's share of the card's peak in prefill, its decode step times.
+PREFILL_MFU_TARGET = 0.55
+ROOFLINE_DECODE_TARGET_MS = {"decode b1": 2.0, "decode b16": 2.6}
+BANDWIDTH_GOAL = 0.6
+
+
+def roofline_markdown(records: list[dict]) -> str:
+    """benchmarks/roofline.py's records: "Of the limit", one row per model, shape and variant."""
+    lines = ["| model | shape | variant | step ms | TFLOP | TFLOP/s | mfu | GB | GB/s | of_bandwidth_bound | card |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in records:
+        if "step_ms" not in r:
+            continue
+        lines.append(f"| {r['model']} | {r['shape']} | {r['variant']} | {r['step_ms']:.2f} | {r['tflop']:.2f} | "
+                     f"{r['achieved_tflops']:.0f} | {r['mfu']:.3f} | {r['gbytes']:.2f} | {r['achieved_gbps']:.0f} | "
+                     f"{r['of_bandwidth_bound']:.3f} | {r['device_name']} |")
+    return "\n".join(lines)
+
+
+def roofline_targets(records: list[dict], variant: str = "ffp_cudagraph") -> str:
+    """Issue 41's targets, met or not: prefill mfu of the cut program, decode step ms and bandwidth share."""
+    lines = ["| model | target | measured | met |", "|---|---|---|---|"]
+    for r in records:
+        if r.get("variant") != variant or "step_ms" not in r:
+            continue
+        if r["phase"] == "prefill":
+            met = r["mfu"] >= PREFILL_MFU_TARGET
+            lines.append(f"| {r['model']} | {r['shape']} mfu >= {PREFILL_MFU_TARGET} | {r['mfu']:.3f} | "
+                         f"{'yes' if met else 'no'} |")
+        elif r["shape"] in ROOFLINE_DECODE_TARGET_MS:
+            limit = ROOFLINE_DECODE_TARGET_MS[r["shape"]]
+            lines.append(f"| {r['model']} | {r['shape']} <= {limit} ms | {r['step_ms']:.2f} ms | "
+                         f"{'yes' if r['step_ms'] <= limit else 'no'} |")
+            share = r["of_bandwidth_bound"]
+            lines.append(f"| {r['model']} | {r['shape']} of_bandwidth_bound >= {BANDWIDTH_GOAL} (goal) | "
+                         f"{share:.3f} | {'yes' if share >= BANDWIDTH_GOAL else 'no'} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("files", nargs="+")
@@ -238,7 +278,12 @@ def main() -> None:
     parser.add_argument("--plot", help="write a speedup bar chart of the prefill shapes here (needs matplotlib)")
     parser.add_argument("--targets", action="store_true", help="also print issue 3's targets, met or not")
     parser.add_argument("--serve", action="store_true", help="files of benchmarks/serve.py: its tables and targets")
+    parser.add_argument("--roofline", action="store_true", help="files of benchmarks/roofline.py: its table, targets")
     args = parser.parse_args()
+    if args.roofline:
+        records = load(args.files)
+        print(roofline_markdown(records) + "\n\n" + roofline_targets(records))
+        return
     if args.serve:
         records = load(args.files)
         print(serve_markdown(records) + "\n\n" + serve_targets(records))

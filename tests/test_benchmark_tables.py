@@ -118,3 +118,23 @@ def test_roofline_flops_are_the_compiled_programs_graph_count():
     # The bytes no program avoids are the same cut or not (each key read once per layer either way):
     # the cut saves arithmetic and activations, which are not counted.
     assert sum(w.bytes for w in cut.values()) == sum(w.bytes for w in uncut.values())
+
+
+def test_roofline_targets_report_met_and_missed():
+    from benchmarks.tables import roofline_markdown, roofline_targets
+
+    def rec(shape, phase, step_ms, mfu, of_bw, variant="ffp_cudagraph"):
+        return {"model": "m", "shape": shape, "phase": phase, "variant": variant, "step_ms": step_ms, "tflop": 1.0,
+                "achieved_tflops": 1.0, "mfu": mfu, "gbytes": 1.0, "achieved_gbps": 1.0,
+                "of_bandwidth_bound": of_bw, "device_name": "card"}
+    records = [rec("1x8192", "prefill", 40.0, 0.56, 0.01), rec("8x4096", "prefill", 40.0, 0.54, 0.01),
+               rec("decode b1", "decode", 1.9, 0.0, 0.61), rec("decode b16", "decode", 2.7, 0.0, 0.5),
+               rec("1x8192", "prefill", 90.0, 0.9, 0.0, variant="inductor")]
+    rows = [line.split("|") for line in roofline_targets(records).splitlines()[2:]]
+    met = {row[2].strip(): row[4].strip() for row in rows}
+    assert met == {
+        "1x8192 mfu >= 0.55": "yes", "8x4096 mfu >= 0.55": "no",
+        "decode b1 <= 2.0 ms": "yes", "decode b1 of_bandwidth_bound >= 0.6 (goal)": "yes",
+        "decode b16 <= 2.6 ms": "no", "decode b16 of_bandwidth_bound >= 0.6 (goal)": "no",
+    }
+    assert "| m | 1x8192 | inductor | 90.00 |" in roofline_markdown(records)

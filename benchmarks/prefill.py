@@ -49,7 +49,9 @@ def make_runner(variant: str, cfg: Config, weights: dict, device, dtype, max_tok
     model.load_state_dict(weights, assign=True)
     backend = {"eager": None, "inductor": "inductor", "hand_split": "inductor", "ffp": fx_fastprefill.backend(),
                "ffp_cudagraph": fx_fastprefill.backend(cudagraphs=True),
-               "ffp_cudagraph_unnarrowed": fx_fastprefill.backend(cudagraphs=True, narrow_slices=False)}[variant]
+               "ffp_cudagraph_unnarrowed": fx_fastprefill.backend(cudagraphs=True, narrow_slices=False),
+               "ffp_cudagraph_library_small_k": fx_fastprefill.backend(cudagraphs=True, small_contractions=False),
+               }[variant]
     # The CUDA-graph variant captures exactly the step sizes the benchmark runs; every variant pads
     # its logits rows to the row counts the benchmark uses (one per sequence), the same for all.
     pad = {"token_pad_sizes": step_sizes} if variant.startswith("ffp_cudagraph") else {}

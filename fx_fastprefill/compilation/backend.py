@@ -32,7 +32,8 @@ from ..report.builder import build_report
 from ..report.report import ReportLog
 from . import spmd
 from . import program_cache
-from .compile_graph import COMPILERS, BoxedGraph, GraphCode, Submodule, compile_boxed, inductor, swap_submodule
+from .compile_graph import (COMPILERS, BoxedGraph, GraphCode, Submodule, compile_boxed, inductor, lowering,
+                            swap_submodule)
 from .cudagraphs import PiecewiseRegion, Recorder, non_owning_supported
 from .program_cache import ProgramCode
 from .regions import CompiledProgram, StepGate
@@ -87,7 +88,8 @@ class FastPrefillBackend:
 
     def __init__(self, *, fast_prefill: bool = True, draft_layers: Iterable[str] = (), compiler: str = "inductor",
                  prompt_len: int = 2048, cudagraphs: bool = False, narrow_slices: bool = True,
-                 max_reports: int = 64, passes: Sequence[Pass] | None = None, graph_recorder: Recorder | None = None):
+                 max_reports: int = 64, passes: Sequence[Pass] | None = None, graph_recorder: Recorder | None = None,
+                 small_contractions: bool = True):
         if not isinstance(fast_prefill, bool):
             raise TypeError(f"fast_prefill must be a bool, got {fast_prefill!r}")
         if isinstance(draft_layers, str) or not all(isinstance(d, str) for d in draft_layers):
@@ -102,6 +104,8 @@ class FastPrefillBackend:
             raise TypeError(f"cudagraphs must be a bool, got {cudagraphs!r}")
         if not isinstance(narrow_slices, bool):
             raise TypeError(f"narrow_slices must be a bool, got {narrow_slices!r}")
+        if not isinstance(small_contractions, bool):
+            raise TypeError(f"small_contractions must be a bool, got {small_contractions!r}")
         if not isinstance(max_reports, int) or max_reports < 1:
             raise ValueError(f"max_reports must be a positive int, got {max_reports!r}")
         if cudagraphs and compiler != "inductor" and graph_recorder is None:
@@ -113,6 +117,7 @@ class FastPrefillBackend:
                                f"views of graph outputs), absent in torch {torch.__version__}")
         self.cudagraphs = cudagraphs
         self.compiler = compiler
+        self.small_contractions = small_contractions
         self.options = PipelineOptions(fast_prefill, tuple(draft_layers), narrow_slices, prompt_len)
         self.passes = list(PIPELINE if passes is None else passes)
         if not all(callable(p) for p in self.passes):
@@ -124,7 +129,7 @@ class FastPrefillBackend:
         self._autograd_warned = False
         self._declined_by_ranks = ""  # set while the ranks' disagreement recompiles a graph unchanged
         options = {**dataclasses.asdict(self.options), "compiler": compiler, "cudagraphs": cudagraphs,
-                   "recorder": type(graph_recorder).__qualname__}
+                   "small_contractions": small_contractions, "recorder": type(graph_recorder).__qualname__}
         # What keys this backend's programs in a cache (program_cache.py); None: not cacheable.
         self.cache_tag = program_cache.cache_key_tag(options, self.passes)
 
@@ -163,7 +168,8 @@ class FastPrefillBackend:
         users_tag = torch.compiler.config.cache_key_tag
 
         def compile_program(aten: GraphModule, inputs: Sequence[Any]) -> ProgramCode:
-            with program_cache.compiling_regions(users_tag):
+            with program_cache.compiling_regions(users_tag), \
+                    lowering(small_contractions=self.small_contractions):
                 programs.append(self._compile_aten(aten, inputs))
             return programs[-1]
 
@@ -303,10 +309,13 @@ def backend(*, fast_prefill: bool = True, draft_layers: Iterable[str] = (), **op
     ``prompt_len`` (prompt length of the report's FLOPs estimate, default 2048), ``cudagraphs``
     (piecewise CUDA graphs: the code between attention ops captured per size, on CUDA),
     ``narrow_slices`` (default True; False skips passes/narrow_sliced_producers.py, to measure or
-    bisect it), ``max_reports`` (reports kept, default 64) and ``passes`` (the pass pipeline,
-    default ``fx_fastprefill.passes.pipeline.PIPELINE``: a list to insert a pass of your own).
+    bisect it), ``small_contractions`` (default True: matrix products over at most 8 elements, such
+    as AltUp's stream mix, lowered as multiply-sums Inductor fuses, not as GEMM calls;
+    passes/small_contractions.py), ``max_reports`` (reports kept, default 64) and ``passes`` (the
+    pass pipeline, default ``fx_fastprefill.passes.pipeline.PIPELINE``: a list to insert a pass of
+    your own).
     """
-    known = ("compiler", "prompt_len", "cudagraphs", "narrow_slices", "max_reports", "passes")
+    known = ("compiler", "prompt_len", "cudagraphs", "narrow_slices", "small_contractions", "max_reports", "passes")
     unknown = set(options) - set(known)
     if unknown:
         raise TypeError(f"fx_fastprefill.backend() got unknown options {sorted(unknown)}; known: {', '.join(known)}")

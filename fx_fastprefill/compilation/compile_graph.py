@@ -7,16 +7,36 @@ convention, so the calling graph's code is the same whether a submodule is compi
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable, Sequence
+import logging
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.fx import GraphModule
 
+from fx_fastprefill.passes.small_contractions import rewrite_small_contractions
+
 from .dynamic_shapes import exact_size_reasoning
+
+log = logging.getLogger("fx_fastprefill")
 
 BoxedFn = Callable[[list], list]
 COMPILERS = ("inductor", "eager")
+# Whether the graphs compiled now have their small contractions rewritten (the backend's
+# ``small_contractions`` option, set while it compiles a program: see :func:`lowering`).
+_SMALL_CONTRACTIONS: ContextVar[bool] = ContextVar("fx_fastprefill_small_contractions", default=True)
+
+
+@contextlib.contextmanager
+def lowering(*, small_contractions: bool) -> Iterator[None]:
+    """Within: the graphs handed to Inductor are lowered with these choices."""
+    token = _SMALL_CONTRACTIONS.set(small_contractions)
+    try:
+        yield
+    finally:
+        _SMALL_CONTRACTIONS.reset(token)
 
 
 def inductor(gm: GraphModule, example_inputs: Sequence, static_input_idxs: Sequence[int]) -> BoxedFn:
@@ -26,6 +46,10 @@ def inductor(gm: GraphModule, example_inputs: Sequence, static_input_idxs: Seque
     from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.utils import BoxedBool
+    if _SMALL_CONTRACTIONS.get():
+        gm, count = rewrite_small_contractions(gm)
+        if count:
+            log.debug("%d small contractions of a graph computed as fused multiply-sums", count)
     with tracing(TracingContext(detect_fake_mode(list(example_inputs)))), exact_size_reasoning():
         return compile_fx_inner(gm, list(example_inputs), is_inference=True, cudagraphs=BoxedBool(False),
                                 static_input_idxs=list(static_input_idxs))

@@ -386,3 +386,16 @@ def test_a_damaged_cache_entry_is_compiled_again(tmp_path, monkeypatch):
     backend, aot = compile_and_run()
     assert not aot.get("autograd_cache_hit") and aot.get("autograd_cache_saved") == 1, aot
     assert backend.reports[-1].cut and not backend.reports[-1].from_cache
+
+
+def test_generated_codes_globals_are_named_by_how_to_import_them():
+    """A split graph's code is pickled with its globals as import references (compile_graph.GraphCode)."""
+    import math
+    from fx_fastprefill.compilation.importable import reference_to, resolve
+
+    def local():
+        pass
+    for value in (torch, torch.device, type(None), torch.ops.aten.mm.default.__class__, len):
+        assert resolve(reference_to(value)) is value
+    assert resolve(reference_to(math.inf)) == math.inf and math.isnan(resolve(reference_to(math.nan)))
+    assert reference_to(local) is None and reference_to(object()) is None

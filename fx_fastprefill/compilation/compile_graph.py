@@ -19,6 +19,7 @@ from torch.fx import GraphModule
 from fx_fastprefill.passes.small_contractions import rewrite_small_contractions
 
 from .dynamic_shapes import exact_size_reasoning
+from .importable import reference_to, resolve
 
 log = logging.getLogger("fx_fastprefill")
 
@@ -45,14 +46,14 @@ def inductor(gm: GraphModule, example_inputs: Sequence, static_input_idxs: Seque
     their addresses."""
     from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.utils import BoxedBool
     if _SMALL_CONTRACTIONS.get():
         gm, count = rewrite_small_contractions(gm)
         if count:
             log.debug("%d small contractions of a graph computed as fused multiply-sums", count)
-    with tracing(TracingContext(detect_fake_mode(list(example_inputs)))), exact_size_reasoning():
-        return compile_fx_inner(gm, list(example_inputs), is_inference=True, cudagraphs=BoxedBool(False),
-                                static_input_idxs=list(static_input_idxs))
+    # Inductor's own CUDA graphs off (the package records its own): it boxes the config's setting.
+    with tracing(TracingContext(detect_fake_mode(list(example_inputs)))), exact_size_reasoning(), \
+            torch._inductor.config.patch({"triton.cudagraphs": False}):
+        return compile_fx_inner(gm, list(example_inputs), is_inference=True, static_input_idxs=list(static_input_idxs))
 
 
 def returns_tuple(gm: GraphModule) -> bool:
@@ -76,27 +77,40 @@ def example_inputs(gm: GraphModule) -> list[Any]:
 class GraphCode:
     """A GraphModule's generated code run on the values it reads (the callables swapped in for its
     submodules, its constants): how a compiled program holds its split graphs. It pickles as that
-    code and loads by compiling it, not by the re-trace a GraphModule unpickles with (which would
-    call the compiled callables with proxies)."""
+    code, with the globals the code reads named by how to import them, and loads by running the
+    code, not by the re-trace a GraphModule unpickles with (which would call the compiled
+    callables with proxies)."""
 
     def __init__(self, gm: GraphModule):
-        from torch.fx.graph_module import _format_import_block
-        from torch.package import sys_importer
         python_code = gm.graph.python_code(root_module="self")
         targets = {n.target.split(".")[0] for n in gm.graph.nodes if n.op in ("call_module", "get_attr")}
         self.__dict__.update({t: getattr(gm, t) for t in targets})
-        self.__setstate__({"_source": _format_import_block(python_code.globals, sys_importer) + python_code.src})
+        self._source = python_code.src
+        self._globals = dict(python_code.globals)
+        self._forward = _compiled_forward(self._source, self._globals)
 
     def __call__(self, *args: Any) -> Any:
         return self._forward(self, *args)
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_forward"}
+        references = {name: reference_to(value) for name, value in self._globals.items()}
+        missing = sorted(name for name, reference in references.items() if reference is None)
+        if missing:
+            raise TypeError(f"a split graph's code reads globals that cannot be imported by name: {missing}")
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_forward", "_globals")}
+        return {**state, "_globals": references}
 
     def __setstate__(self, state: dict) -> None:
-        from torch.fx.graph_module import _forward_from_src
         self.__dict__.update(state)
-        self._forward = _forward_from_src(self._source, {})
+        self._globals = {name: resolve(reference) for name, reference in state["_globals"].items()}
+        self._forward = _compiled_forward(self._source, self._globals)
+
+
+def _compiled_forward(source: str, global_values: dict[str, Any]) -> Callable[..., Any]:
+    """The ``forward`` that FX's generated ``source`` defines, run against ``global_values``."""
+    namespace = dict(global_values)
+    exec(compile(source, "<fx_fastprefill split graph>", "exec", dont_inherit=True), namespace)
+    return namespace["forward"]
 
 
 class BoxedGraph:
@@ -136,13 +150,12 @@ def _reload(graph: Any) -> Any:
     from torch._guards import tracing
     from torch._inductor.codecache import FxGraphCache
     from torch._inductor.output_code import CompiledFxGraphConstants
-    from torch._inductor.utils import BoxedBool
     constants = CompiledFxGraphConstants()
     loaded, _ = FxGraphCache.cache_hit_post_compile(graph, {}, constants)
     if loaded is None:
         raise RuntimeError("a compiled graph of the cached program could not be reloaded from Inductor's code cache")
     with tracing(None):
-        loaded.post_compile([], constants, {"cudagraphs": BoxedBool(False), "is_backward": False})
+        loaded.post_compile([], constants, {"cudagraphs": False, "is_backward": False})
     return loaded
 
 

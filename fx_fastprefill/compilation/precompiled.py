@@ -35,6 +35,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import getpass
 import hashlib
 import importlib
 import importlib.util
@@ -54,6 +55,7 @@ import torch
 
 from .. import fallbacks
 from . import program_cache
+from .importable import Reference, reference_to, resolve
 
 log = logging.getLogger("fx_fastprefill")
 
@@ -74,9 +76,17 @@ def _ranks() -> int:
 
 
 def default_folder() -> Path:
-    """Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR`` or its default) / fx_fastprefill / precompiled."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    return Path(cache_dir()) / "fx_fastprefill" / "precompiled"
+    """Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``, else its default,
+    ``<temp>/torchinductor_<user>``) / fx_fastprefill / precompiled."""
+    inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not inductor_cache:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError, ModuleNotFoundError):  # no name for this uid (a bare container)
+            user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+        user = "".join("_" if c in '\\/:*?"<>|' else c for c in user)
+        inductor_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    return Path(inductor_cache) / "fx_fastprefill" / "precompiled"
 
 
 def folder_for(precompile: bool | str | os.PathLike) -> Path | None:
@@ -223,7 +233,7 @@ def _serializable(backend: Any) -> Any:
     return compile_serializable
 
 
-def _global_references(compiled: Any, f_globals: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+def _global_references(compiled: Any, f_globals: dict[str, Any]) -> dict[str, Reference]:
     """Globals the saved bytecode reads that torch does not save itself (modules and functions
     Dynamo installed under generated names): each by how to import it again. Raises ValueError for
     one that cannot be imported by name."""
@@ -233,26 +243,11 @@ def _global_references(compiled: Any, f_globals: dict[str, Any]) -> dict[str, tu
     for name in sorted(env.external_refs - known):
         if hasattr(builtins, name) or name not in f_globals:
             continue
-        value = f_globals[name]
-        if isinstance(value, type(sys)):
-            references[name] = ("module", value.__name__)
-            continue
-        module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
-        if module and qualname and "<locals>" not in qualname and _resolve(("attr", module, qualname)) is value:
-            references[name] = ("attr", module, qualname)
-        else:
-            raise ValueError(f"the compiled code reads the global {name!r} ({type(value).__name__}), "
+        references[name] = reference_to(f_globals[name])
+        if references[name] is None:
+            raise ValueError(f"the compiled code reads the global {name!r} ({type(f_globals[name]).__name__}), "
                              f"which cannot be imported by name")
     return references
-
-
-def _resolve(reference: tuple[str, ...]) -> Any:
-    if reference[0] == "module":
-        return importlib.import_module(reference[1])
-    value: Any = importlib.import_module(reference[1])
-    for part in reference[2].split("."):
-        value = getattr(value, part)
-    return value
 
 
 @contextlib.contextmanager
@@ -433,7 +428,7 @@ class PrecompiledFunction:
             stage = "importing the globals its code reads"
             # torch 2.13 saves the builtins the bytecode reads, 2.11 does not
             f_globals = {**vars(builtins), **_traced_function(self.method).__globals__}
-            f_globals.update({name: _resolve(ref) for name, ref in saved["globals"].items()})
+            f_globals.update({name: resolve(ref) for name, ref in saved["globals"].items()})
             stage = "rebuilding its guards and compiled program against this process's model and modules"
             with program_cache.loading(self.loader):
                 function = torch.compiler.load_compiled_function(

@@ -71,12 +71,11 @@ def agree(groups: list[str], mine: str) -> list[str] | None:
     group; None where no process group is live. Every group is asked even after a difference, so a
     rank in a later group is never left waiting."""
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     if not groups or not dist.is_available() or not dist.is_initialized():
         return None
     from torch.distributed.distributed_c10d import _resolve_process_group
     answer: list[str] = []
-    with unset_fake_temporarily():
+    with torch.utils._python_dispatch._disable_current_modes():  # real objects, not fakes, are sent
         for name in groups:
             group = _resolve_process_group(name)
             gathered: list[str] = [""] * dist.get_world_size(group)

@@ -213,8 +213,7 @@ class GenerateCompilation(_NotPickled):
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    from torch._dynamo.eval_frame import OptimizedModule
-    if isinstance(model, OptimizedModule):
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module) and type(model).__name__ == "OptimizedModule":
         log.warning("compile_for_generate was given a torch.compile wrapper; it compiles the module inside it "
                     "(the wrapper's generate() would run that module uncompiled)")
         return model._orig_mod

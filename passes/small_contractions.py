@@ -1,12 +1,15 @@
-"""Matrix products that contract over a handful of elements, computed as a broadcast multiply and a
-sum that Inductor fuses, not by a GEMM library call.
+"""Matrix products that contract over a handful of elements, computed as multiply-sums that
+Inductor fuses, not by a GEMM library call.
 
 Gemma 3n's AltUp predicts each of its 4 residual streams as a mix of all 4 (``einsum("st,tnd->snd",
 coefs, streams)``): a ``bmm`` of ``[1, 4, 4]`` by ``[1, 4, T * D]``. cuBLAS runs it as a batched
 GEMV split into many launches (about a fifth of a Gemma-3n-E2B prefill step on an H100,
 BENCHMARKS.md "Of the limit"), each reading and writing the whole ``[4, T, D]`` activation. Written
-as ``(a[..., None] * b[..., None, :, :]).sum(-2)``, Inductor unrolls the 4-term reduction into a
-pointwise kernel (its ``unroll_reductions_threshold``) and fuses it with what reads the product.
+as sums of scaled rows of ``b``, one per output row (``out[m] = a[m, 0] * b[0] + ... + a[m, 3] *
+b[3]``, stacked), it is one pointwise kernel that reads ``b`` once, writes every output row, and
+takes in the ops that produce ``b``. An output of many rows (``[T, 4] @ [4, N]``) is written as a
+broadcast multiply and a sum over the contraction, which Inductor unrolls into pointwise code (its
+``unroll_reductions_threshold``). On an H100, the Gemma-3n-E2B prefill step: BENCHMARKS.md "Of the limit".
 
 Invariants:
 - Runs on a graph about to be handed to Inductor (a region, a piece, or a graph compiled
@@ -30,6 +33,8 @@ aten = torch.ops.aten
 
 # Inductor unrolls a reduction over at most this many elements into pointwise code.
 MAX_CONTRACTION = 8
+# Up to this many output rows, each is written as its own sum (see _rewritten).
+MAX_ROWS = 8
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -57,28 +62,45 @@ def rewrite_small_contractions(gm: GraphModule) -> tuple[GraphModule, int]:
     for node in list(copy.graph.nodes):
         if _small_contraction(node):
             with copy.graph.inserting_before(node), fake_mode:
-                node.replace_all_uses_with(_broadcast_sum(copy.graph, node))
+                node.replace_all_uses_with(_rewritten(copy.graph, node))
             copy.graph.erase_node(node)
             count += 1
     copy.recompile()
     return copy, count
 
 
-def _broadcast_sum(graph: Graph, node: Node) -> Node:
-    """``mm(a, b)`` as ``sum(a[:, :, None] * b[None], 1)``; ``bmm`` likewise with its batch dim."""
+def _rewritten(graph: Graph, node: Node) -> Node:
+    """``mm(a, b)`` (``bmm`` likewise, with its batch dim) as multiply-sums, summed in float32."""
     a, b = node.args[:2]
     out = node.meta["val"]
     batch = 1 if node.target is aten.bmm.default else 0
 
     def call(target, *args) -> Node:
         new = graph.call_function(target, args)
-        new.meta["val"] = target(*(x.meta["val"] if isinstance(x, Node) else x for x in args))
+        new.meta["val"] = target(*torch.fx.node.map_arg(args, lambda x: x.meta["val"]))
         return new
 
     if out.dtype in _LOW_PRECISION:
         a, b = (call(torch.ops.prims.convert_element_type.default, x, torch.float32) for x in (a, b))
-    product = call(aten.mul.Tensor, call(aten.unsqueeze.default, a, batch + 2), call(aten.unsqueeze.default, b, batch))
-    summed = call(aten.sum.dim_IntList, product, [batch + 1])
+    rows, inner = a.meta["val"].shape[batch:]
+    if isinstance(rows, int) and rows <= MAX_ROWS:
+        # Each output row a sum of the rows of b: one kernel reads b once and writes every row
+        # (as a single broadcast sum, each output row would read all of b again).
+        output_rows = []
+        for m in range(rows):
+            coefs = call(aten.select.int, a, batch, m)
+            total = None
+            for k in range(inner):
+                coef = call(aten.select.int, coefs, batch, k)
+                term = call(aten.mul.Tensor, call(aten.unsqueeze.default, coef, -1) if batch else coef,
+                            call(aten.select.int, b, batch, k))
+                total = term if total is None else call(aten.add.Tensor, total, term)
+            output_rows.append(call(aten.unsqueeze.default, total, batch))
+        summed = call(aten.cat.default, output_rows, batch)  # the graph is decomposed: no stack
+    else:
+        product = call(aten.mul.Tensor, call(aten.unsqueeze.default, a, batch + 2),
+                       call(aten.unsqueeze.default, b, batch))
+        summed = call(aten.sum.dim_IntList, product, [batch + 1])
     if out.dtype in _LOW_PRECISION:
         summed = call(torch.ops.prims.convert_element_type.default, summed, out.dtype)
     summed.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})

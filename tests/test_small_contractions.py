@@ -8,7 +8,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fx_fastprefill
-from fx_fastprefill.passes.small_contractions import MAX_CONTRACTION, rewrite_small_contractions
+from fx_fastprefill.passes.small_contractions import MAX_CONTRACTION, MAX_ROWS, rewrite_small_contractions
 from examples.gemma3n import Config, Gemma3nLike
 from tests.helpers import random_prompts
 
@@ -40,10 +40,12 @@ def test_altup_mix_is_rewritten_with_the_same_values(dtype, tol):
         assert converts == [torch.float32, torch.float32, torch.bfloat16]
 
 
-def test_mm_with_a_small_inner_size_is_rewritten():
-    a, b = torch.randn(5, 3), torch.randn(3, 11)
+@pytest.mark.parametrize("rows", [5, 40])  # summed row by row; broadcast and summed over the inner dim
+def test_mm_with_a_small_inner_size_is_rewritten(rows):
+    a, b = torch.randn(rows, 3), torch.randn(3, 11)
     rewritten, count = rewrite_small_contractions(_traced(torch.mm, a, b))
     assert count == 1 and aten.mm.default not in _targets(rewritten)
+    assert (aten.sum.dim_IntList in _targets(rewritten)) == (rows > MAX_ROWS)
     torch.testing.assert_close(rewritten(a, b), a @ b)
 
 

@@ -5,6 +5,7 @@ import torch
 
 import fx_fastprefill
 from fx_fastprefill import SeqChunk
+from fx_fastprefill.ops import step_context as steps
 from examples.gemma3n import Config, Gemma3nLike
 from tests.helpers import random_prompts
 
@@ -83,3 +84,37 @@ def test_hand_split_model_matches():
     hand = fx_fastprefill.Runner(split, max_num_tokens=24, max_model_len=96)
     torch.testing.assert_close(hand.prefill(prompts), ref.prefill(prompts), **TOL)
     assert hand.generate(prompts, 4) == ref.generate(prompts, 4)
+
+
+def test_the_gate_obeys_the_steps_plan_and_plans_alone_outside_a_step(monkeypatch):
+    """The Runner decides the reduced region's mode once per step (StepMetadata.reduced); the gate
+    does what it says, and derives the same plan itself only where the step carries none."""
+    from fx_fastprefill import fallbacks
+    from fx_fastprefill.runtime import runner as runner_module
+    m = model()
+    prompts = random_prompts(2, 8, 20, 512, seed=3)
+    ref, fast, backend = pair(m, max_num_tokens=64)
+    expected = ref.prefill(prompts)
+    torch.testing.assert_close(fast.prefill(prompts), expected, **TOL)
+    assert fast.fallbacks.get(fallbacks.NOT_SMALLER, 0) == 0
+    # A plan of all rows for a prefill step the gate alone would run on its logits rows.
+    forced = steps.ReducedPlan(steps.REDUCED_ALL_ROWS, fallbacks.NOT_SMALLER)
+    monkeypatch.setattr(runner_module, "plan_reduced_region", lambda *args: forced)
+    torch.testing.assert_close(fast.prefill(prompts), expected, **TOL)
+    assert fast.fallbacks[fallbacks.NOT_SMALLER] == 1
+
+
+@pytest.mark.parametrize("case, plan", [
+    (dict(padded_rows=0), steps.REDUCED_SKIP),
+    (dict(num_logits=0), steps.REDUCED_SKIP),
+    (dict(has_prefill=False), steps.REDUCED_ALL_ROWS),
+    (dict(padded_rows=8), steps.REDUCED_ALL_ROWS),  # padded R == T
+    (dict(step=None), steps.REDUCED_ALL_ROWS),
+    (dict(), steps.REDUCED_LOGITS_ROWS),
+])
+def test_the_reduced_region_plan_at_its_boundaries(case, plan):
+    fields = dict(num_logits=2, has_prefill=True)
+    fields.update({k: v for k, v in case.items() if k in fields})
+    step = steps.StepMetadata(query_start=[0, 8], context_lens=[0], slot_base=[0], kv_cache=None, **fields)
+    got = steps.plan_reduced_region(case.get("step", step), case.get("padded_rows", 2), 8)
+    assert got.mode == plan and (got.fallback is None) == (plan == steps.REDUCED_LOGITS_ROWS)

@@ -4,7 +4,9 @@
 ``reduced`` submodule; here each is replaced by its compiled callable (one Inductor graph, or a
 :class:`PiecewiseRegion` with CUDA graphs), the reduced one behind a :class:`StepGate`.
 
-Per step, the gate (the reference's per-step helper, made explicit):
+Per step, the gate obeys the step's plan (``StepMetadata.reduced``, made by the Runner from the
+step's padded sizes; made here from the sizes the region is called with where the step has none:
+``ops/step_context.py: plan_reduced_region``):
 - R == 0 (no request reaches a logits row): the reduced region is skipped; its outputs are empty.
 - no step metadata, a pure decode batch, or padded R >= T: the full-rows path runs the reduced
   region on all T rows (``logits_indices = arange(T)``) and selects the logits rows at the end,
@@ -30,8 +32,7 @@ from torch.fx import GraphModule, Node
 
 from fx_fastprefill.passes.fx_utils import output_args, placeholders, size_sources
 
-from ..ops.step_context import WHOLE_STEP, current_step
-from .. import fallbacks as reasons
+from ..ops.step_context import REDUCED_LOGITS_ROWS, REDUCED_SKIP, current_step, plan_reduced_region
 
 
 class StepGate:
@@ -88,25 +89,16 @@ class StepGate:
         index = args[self.index_position]
         num_tokens = self._size(self.rows, args)
         step = current_step()
-        if step is not None and step.graph_mode == WHOLE_STEP:
-            # A whole-step graph's rows are all logits rows, in order (the Runner passes arange(T)):
-            # the region's own gathers are the full-rows path already. A decode step, not a fallback.
+        plan = step.reduced if step is not None and step.reduced is not None else \
+            plan_reduced_region(step, index.shape[0], num_tokens)
+        if plan.fallback is not None:
+            self._record(plan.fallback)
+        if plan.mode == REDUCED_LOGITS_ROWS:
             return self.run(*args)
-        if index.shape[0] == 0 or (step is not None and step.num_logits == 0):
+        if plan.mode == REDUCED_SKIP:
             # Padded rows of an R == 0 step are never read: the outputs keep their padded size.
-            self._record(reasons.NO_LOGITS_ROWS)
             return self._pack([self._empty(shape, dtype, args, index)
                                for shape, dtype in zip(self.output_shapes, self.output_dtypes)])
-        reason = None
-        if step is None:
-            reason = reasons.NO_STEP_METADATA
-        elif not step.has_prefill:
-            reason = reasons.PURE_DECODE
-        elif index.shape[0] >= num_tokens:
-            reason = reasons.NOT_SMALLER
-        if reason is None:
-            return self.run(*args)
-        self._record(reason)
         # Every row through the same gathers keeps the memory layout the region was compiled for.
         full_rows = list(args)
         full_rows[self.index_position] = torch.arange(num_tokens, device=index.device, dtype=index.dtype)

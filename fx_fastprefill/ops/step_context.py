@@ -13,6 +13,7 @@ from typing import Any, Callable, Hashable, Iterator, TypeVar
 
 import torch
 
+from .. import fallbacks as reasons
 from .kv_cache import KVCache
 
 T = TypeVar("T")
@@ -23,6 +24,19 @@ WHOLE_STEP = "whole_step"  # recorded into, replayed as or warming up one whole-
 PIECEWISE = "piecewise"    # the compiled model's regions (with their piecewise CUDA graphs, if any)
 EAGER = "eager"            # the model run as it is (no backend)
 GRAPH_MODES = (WHOLE_STEP, PIECEWISE, EAGER)
+
+# What a cut graph's reduced region does in a step, decided once per step (plan_reduced_region)
+# and obeyed by its gate (compilation/regions.py: StepGate).
+REDUCED_SKIP = "skip"                # no logits rows: not run, its outputs empty
+REDUCED_ALL_ROWS = "all_rows"        # run on every row, the logits rows selected after it
+REDUCED_LOGITS_ROWS = "logits_rows"  # run on the rows it is given (the fast path)
+
+
+@dataclass(frozen=True)
+class ReducedPlan:
+    """The reduced region's mode in a step, and the fallback counted for it (None: not one)."""
+    mode: str
+    fallback: str | None = None
 
 
 @dataclass
@@ -66,6 +80,9 @@ class StepMetadata:
     # A whole-step graph's rows' metadata on the device. The host lists above then describe only the
     # recording call.
     decode_rows: DecodeRows | None = None
+    # The reduced region's plan, set by whoever builds the step and knows its padded sizes (the
+    # Runner); None: the gate plans from the sizes it is called with.
+    reduced: ReducedPlan | None = None
     # Values built once per step and shared by its attention calls (see cached()).
     _tensors: dict[Hashable, Any] = field(default_factory=dict, repr=False)
 
@@ -100,6 +117,24 @@ class StepMetadata:
         if key not in self._tensors:
             self._tensors[key] = build()
         return self._tensors[key]
+
+
+def plan_reduced_region(step: StepMetadata | None, padded_rows: int, padded_tokens: int) -> ReducedPlan:
+    """The reduced region's plan for a step of ``padded_tokens`` rows, ``padded_rows`` of them
+    passed as logits rows (what the compiled graph is called with)."""
+    if step is not None and step.graph_mode == WHOLE_STEP:
+        # Every row of a whole-step graph is a logits row, passed in order: the region's gathers
+        # are the full-rows path already. A decode step, not a fallback.
+        return ReducedPlan(REDUCED_LOGITS_ROWS)
+    if padded_rows == 0 or (step is not None and step.num_logits == 0):
+        return ReducedPlan(REDUCED_SKIP, reasons.NO_LOGITS_ROWS)
+    if step is None:
+        return ReducedPlan(REDUCED_ALL_ROWS, reasons.NO_STEP_METADATA)
+    if not step.has_prefill:
+        return ReducedPlan(REDUCED_ALL_ROWS, reasons.PURE_DECODE)
+    if padded_rows >= padded_tokens:
+        return ReducedPlan(REDUCED_ALL_ROWS, reasons.NOT_SMALLER)
+    return ReducedPlan(REDUCED_LOGITS_ROWS)
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -25,7 +25,8 @@ from ..compilation.dynamic_shapes import compile_for_varying_sizes, varying_size
 from ..fallbacks import FallbackCounter
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
 from ..ops.kv_cache import KVCache
-from ..ops.step_context import EAGER, PIECEWISE, WHOLE_STEP, StepMetadata, step_context, to_device
+from ..ops.step_context import (EAGER, PIECEWISE, WHOLE_STEP, StepMetadata, plan_reduced_region, step_context,
+                                 to_device)
 from .batch import (Request, SeqChunk, check_sizes, default_logits_indices, default_token_pad_sizes, pad_to_bucket,
                     padded_indices, power_of_two_buckets, step_tokens, validate_logits_indices, validate_step_tokens)
 from .dynamo_guards import cheap_guards
@@ -274,6 +275,8 @@ class Runner:
         ids, positions = step_tokens(chunks, requests)
         input_ids, positions = to_device(ids, self.device), to_device(positions, self.device)
         indices = padded_indices(rows, self.logits_pad_sizes, self.device, num_tokens=num_tokens)
+        # The reduced region's mode, decided here from the sizes the compiled graph is called with.
+        meta.reduced = plan_reduced_region(meta, indices.shape[0], query_start[-1])
         logits = self._forward_step(meta, input_ids, positions, indices)
         for request, chunk in zip(requests, chunks):
             if request is not self._padding:  # padding rows rewrite position 0 of their own region

@@ -33,7 +33,7 @@ from torch import Tensor
 from .. import fallbacks as reasons
 from ..compilation import graph_lifecycle as lifecycle
 from ..ops.kv_cache import KVCache
-from ..ops.step_context import WHOLE_STEP, DecodeRows, StepMetadata
+from ..ops.step_context import REDUCED_LOGITS_ROWS, WHOLE_STEP, DecodeRows, ReducedPlan, StepMetadata
 
 log = logging.getLogger("fx_fastprefill")
 
@@ -104,7 +104,7 @@ class WholeStepGraphs:
                           position=positions.int())
         meta = StepMetadata(query_start=list(range(size + 1)), context_lens=[0] * size, slot_base=[0] * size,
                             kv_cache=self.kv_cache, num_logits=size, has_prefill=False, step_id=self.next_step_id(),
-                            graph_mode=WHOLE_STEP, decode_rows=rows)
+                            graph_mode=WHOLE_STEP, decode_rows=rows, reduced=ReducedPlan(REDUCED_LOGITS_ROWS))
         return self.forward(meta, ids, positions, self.indices[:size])
 
     def _record(self, size: int, num_rows: int) -> Tensor | None:

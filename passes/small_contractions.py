@@ -3,13 +3,14 @@ Inductor fuses, not by a GEMM library call.
 
 Gemma 3n's AltUp predicts each of its 4 residual streams as a mix of all 4 (``einsum("st,tnd->snd",
 coefs, streams)``): a ``bmm`` of ``[1, 4, 4]`` by ``[1, 4, T * D]``. cuBLAS runs it as a batched
-GEMV split into many launches (about a fifth of a Gemma-3n-E2B prefill step on an H100,
-BENCHMARKS.md "Of the limit"), each reading and writing the whole ``[4, T, D]`` activation. Written
-as sums of scaled rows of ``b``, one per output row (``out[m] = a[m, 0] * b[0] + ... + a[m, 3] *
-b[3]``, stacked), it is one pointwise kernel that reads ``b`` once, writes every output row, and
-takes in the ops that produce ``b``. An output of many rows (``[T, 4] @ [4, N]``) is written as a
-broadcast multiply and a sum over the contraction, which Inductor unrolls into pointwise code (its
-``unroll_reductions_threshold``). On an H100, the Gemma-3n-E2B prefill step: BENCHMARKS.md "Of the limit".
+GEMV split into many launches (12.6 of the 61 ms of a Gemma-3n-E2B 1x8192 prefill step on an
+H100), each reading and writing the whole ``[4, T, D]`` activation. Written as sums of scaled rows
+of ``b``, one per output row (``out[m] = a[m, 0] * b[0] + ... + a[m, 3] * b[3]``, concatenated), it
+is one pointwise kernel (7.6 ms in that step: BENCHMARKS.md "Of the limit"). Inductor's C++ code
+reads ``b`` once for all rows; its Triton code writes the concatenation as a masked pointwise
+kernel in which each row reads ``b`` again (measured the same as a single broadcast sum). An
+output of many rows (``[T, 4] @ [4, N]``) is a broadcast multiply and a sum over the contraction,
+which Inductor unrolls into pointwise code (its ``unroll_reductions_threshold``).
 
 Invariants:
 - Runs on a graph about to be handed to Inductor (a region, a piece, or a graph compiled
@@ -84,8 +85,7 @@ def _rewritten(graph: Graph, node: Node) -> Node:
         a, b = (call(torch.ops.prims.convert_element_type.default, x, torch.float32) for x in (a, b))
     rows, inner = a.meta["val"].shape[batch:]
     if isinstance(rows, int) and rows <= MAX_ROWS:
-        # Each output row a sum of the rows of b: one kernel reads b once and writes every row
-        # (as a single broadcast sum, each output row would read all of b again).
+        # Each output row a sum of the rows of b (Inductor's C++ code then reads b once for all rows).
         output_rows = []
         for m in range(rows):
             coefs = call(aten.select.int, a, batch, m)

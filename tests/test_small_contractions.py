@@ -49,6 +49,14 @@ def test_mm_with_a_small_inner_size_is_rewritten(rows):
     torch.testing.assert_close(rewritten(a, b), a @ b)
 
 
+@pytest.mark.parametrize("rows", [2, 12])
+def test_a_batched_product_is_rewritten_per_batch(rows):
+    a, b = torch.randn(3, rows, 4), torch.randn(3, 4, 9)
+    rewritten, count = rewrite_small_contractions(_traced(torch.bmm, a, b))
+    assert count == 1 and aten.bmm.default not in _targets(rewritten)
+    torch.testing.assert_close(rewritten(a, b), torch.bmm(a, b))
+
+
 @pytest.mark.parametrize("shapes", [
     ((5, MAX_CONTRACTION + 1), (MAX_CONTRACTION + 1, 11)),  # a contraction Inductor would not unroll
     ((5, 64), (64, 11)),

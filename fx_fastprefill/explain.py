@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from . import torch_seams
 from .compilation.backend import backend as make_backend
 from .report.picture import PictureUnavailable, draw_cut
 from .report.printer import print_cut_graph
@@ -75,7 +76,7 @@ def compile_and_report(
     eagerly (``compiler="eager"``): explaining a model takes seconds, not an Inductor build. The
     passes always run (the AOTAutograd cache off): a program loaded from it keeps no graph to print.
     """
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    with torch_seams.functorch_config.patch(enable_autograd_cache=False):
         return _compile_and_report(model, prompt_len, draft_layers, compiler, prompt_tokens, num_prompts)
 
 

@@ -23,10 +23,8 @@ def _register_with_torch_logs() -> None:
     settings = os.environ.get("TORCH_LOGS", "")
     names = {part.strip().lstrip("+-") for part in settings.split(",")}
     try:
-        from torch._logging import _internal
-        _internal.register_log(LOGGER_NAME, LOGGER_NAME)
-        if LOGGER_NAME in names:
-            _internal._init_logs()
+        from .torch_seams import register_torch_log
+        register_torch_log(LOGGER_NAME, enable_now=LOGGER_NAME in names)
     except (ImportError, AttributeError) as e:  # torch moved its internals: the env var still works
         if LOGGER_NAME in names:
             log.warning("TORCH_LOGS=%s is not supported by this torch (%s); use %s=info", LOGGER_NAME, e, ENV_VAR)

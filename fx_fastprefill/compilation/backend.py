@@ -14,7 +14,6 @@ import os
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx import GraphModule, Node
 
 from fx_fastprefill.ops.schema import SDPA_OP, is_package_op
@@ -24,6 +23,7 @@ from fx_fastprefill.passes.pipeline import DUMP_ENV, PIPELINE, Pass, PassContext
 from fx_fastprefill.passes.split_regions import FULL, REDUCED, region_static_idxs
 
 from .. import fallbacks as fallback_reasons
+from .. import torch_seams
 from ..fallbacks import FallbackCounter
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
 from ..ops import sdpa as _sdpa_kernels  # noqa: F401
@@ -47,29 +47,9 @@ AUTOGRAD_REASON = (
 )
 
 
-def _decompositions():
-    from torch._inductor.decomposition import select_decomp_table
-    return select_decomp_table()
-
-
-def _warm_compile_workers() -> None:
-    """Start Inductor's Triton compile workers now, while Dynamo's graph goes through AOT and the
-    passes (what the ``inductor`` backend does first; a no-op without Triton, or with
-    ``TORCH_WARM_POOL=0``)."""
-    try:
-        from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:
-        return
-    maybe_warm_pool()
-
-
 def _static_inputs(inputs: list[Node]) -> set[Node]:
     """The placeholders AOT marked static (parameters and buffers): same address every call."""
-    from torch._guards import TracingContext
-    context = TracingContext.try_get()
-    metadata = getattr(context, "fw_metadata", None) if context is not None else None
-    indices = getattr(metadata, "static_input_indices", None) or []
-    return {inputs[i] for i in indices if i < len(inputs)}
+    return {inputs[i] for i in torch_seams.static_input_indices() if i < len(inputs)}
 
 
 def needs_autograd(gm: GraphModule, example_inputs: Sequence[Any]) -> bool:
@@ -113,7 +93,7 @@ class FastPrefillBackend:
                 f"cudagraphs=True needs compiler='inductor' (the regions are captured by Inductor), got {compiler!r}"
             )
         if cudagraphs and graph_recorder is None and not non_owning_supported():
-            raise RuntimeError(f"cudagraphs=True needs torch._C._construct_storage_from_data_pointer (non-owning "
+            raise RuntimeError(f"cudagraphs=True needs non-owning CUDA views of graph outputs "
                                f"views of graph outputs), absent in torch {torch.__version__}")
         self.cudagraphs = cudagraphs
         self.compiler = compiler
@@ -135,7 +115,7 @@ class FastPrefillBackend:
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
         if self.compiler == "inductor":
-            _warm_compile_workers()
+            torch_seams.warm_compile_workers()
         self._input_names = [input_name(n.name) for n in placeholders(gm)]
         if needs_autograd(gm, example_inputs):
             return self._compile_for_autograd(gm, example_inputs)
@@ -154,7 +134,7 @@ class FastPrefillBackend:
         elif disagreement:
             self._declined_by_ranks = disagreement
             try:
-                with torch._functorch.config.patch(enable_autograd_cache=False):  # not the cut just saved
+                with torch_seams.functorch_config.patch(enable_autograd_cache=False):  # not the cut just saved
                     compiled, code = self._aot(gm, example_inputs)
             finally:
                 self._declined_by_ranks = ""
@@ -186,8 +166,9 @@ class FastPrefillBackend:
         caching = program_cache.caching(self.cache_tag, loaded) if compiler else contextlib.nullcontext()
         compiler = compiler or compile_program
         with caching:
-            compiled = aot_module_simplified(gm, example_inputs, fw_compiler=compiler, inference_compiler=compiler,
-                                             decompositions=_decompositions())
+            compiled = torch_seams.aot_module_simplified(gm, example_inputs, fw_compiler=compiler,
+                                                         inference_compiler=compiler,
+                                                         decompositions=torch_seams.inductor_decompositions())
         return compiled, (programs[-1] if programs else None)
 
     def adopt_loaded(self, code: ProgramCode) -> None:
@@ -218,8 +199,7 @@ class FastPrefillBackend:
         self._autograd_warned = True
         if self.compiler == "eager":
             return gm
-        from torch._inductor.compile_fx import compile_fx
-        return compile_fx(gm, example_inputs)
+        return torch_seams.compile_fx(gm, example_inputs)
 
     def _compile_aten(self, gm: GraphModule, example_inputs: Sequence[Any]) -> ProgramCode:
         inputs = placeholders(gm)

@@ -18,6 +18,7 @@ from torch.fx import GraphModule
 
 from fx_fastprefill.passes.small_contractions import rewrite_small_contractions
 
+from .. import torch_seams
 from .dynamic_shapes import exact_size_reasoning
 from .importable import reference_to, resolve
 
@@ -44,16 +45,25 @@ def inductor(gm: GraphModule, example_inputs: Sequence, static_input_idxs: Seque
     """``compile_fx_inner`` on one graph that returns a tuple, in its own tracing context (Inductor
     records the output strides of one graph per context); parameters (``static_input_idxs``) keep
     their addresses."""
-    from torch._guards import TracingContext, detect_fake_mode, tracing
-    from torch._inductor.compile_fx import compile_fx_inner
     if _SMALL_CONTRACTIONS.get():
         gm, count = rewrite_small_contractions(gm)
         if count:
             log.debug("%d small contractions of a graph computed as fused multiply-sums", count)
     # Inductor's own CUDA graphs off (the package records its own): it boxes the config's setting.
-    with tracing(TracingContext(detect_fake_mode(list(example_inputs)))), exact_size_reasoning(), \
-            torch._inductor.config.patch({"triton.cudagraphs": False}):
-        return compile_fx_inner(gm, list(example_inputs), is_inference=True, static_input_idxs=list(static_input_idxs))
+    with torch_seams.tracing(torch_seams.TracingContext(_fake_mode(example_inputs))), exact_size_reasoning(), \
+            torch_seams.inductor_config.patch({"triton.cudagraphs": False}):
+        return torch_seams.compile_fx_inner(gm, list(example_inputs), is_inference=True,
+                                            static_input_idxs=list(static_input_idxs))
+
+
+def _fake_mode(example_inputs: Sequence) -> Any:
+    """The fake mode the graph's inputs were made in (the enclosing compile's where none is fake)."""
+    for value in example_inputs:
+        mode = getattr(value, "fake_mode", None)
+        if mode is not None:
+            return mode
+    context = torch_seams.TracingContext.try_get()
+    return context.fake_mode if context is not None else None
 
 
 def returns_tuple(gm: GraphModule) -> bool:
@@ -147,15 +157,9 @@ def _reload(graph: Any) -> Any:
     """A deserialized ``CompiledFxGraph`` made callable again: its source written back to Inductor's
     code cache and loaded (what Inductor does on an FX-graph-cache hit), outside any tracing context
     (its output strides are not the enclosing graph's)."""
-    from torch._guards import tracing
-    from torch._inductor.codecache import FxGraphCache
-    from torch._inductor.output_code import CompiledFxGraphConstants
-    constants = CompiledFxGraphConstants()
-    loaded, _ = FxGraphCache.cache_hit_post_compile(graph, {}, constants)
+    loaded = torch_seams.reload_compiled_graph(graph)
     if loaded is None:
         raise RuntimeError("a compiled graph of the cached program could not be reloaded from Inductor's code cache")
-    with tracing(None):
-        loaded.post_compile([], constants, {"cudagraphs": False, "is_backward": False})
     return loaded
 
 

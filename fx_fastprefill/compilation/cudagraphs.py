@@ -40,6 +40,7 @@ from fx_fastprefill.passes.split_pieces import GRAPH, PieceInfo, piece_signature
 
 from ..ops.step_context import WHOLE_STEP, current_step
 from .. import fallbacks as reasons
+from .. import torch_seams
 from . import graph_lifecycle as lifecycle
 from .compile_graph import BoxedFn, GraphCode, compile_boxed, returns_tuple, swap_submodule
 
@@ -51,20 +52,10 @@ PLAIN, RECORD, REPLAY = "plain", "record", "replay"  # what the pieces do in the
 def non_owning(t: Tensor) -> Tensor:
     """A tensor over ``t``'s memory that does not keep it allocated (what a graph's output becomes
     once its recording forward has ended: the graph, not the tensor, owns that memory)."""
-    storage = t.untyped_storage()
-    meta = {"nbytes": storage.nbytes(), "data_ptr": storage.data_ptr(), "size": t.shape, "stride": t.stride(),
-            "dtype": t.dtype, "device": t.device, "storage_offset": t.storage_offset()}
-    alias = torch._C._construct_storage_from_data_pointer(meta["data_ptr"], t.device, meta["nbytes"])
-    return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, alias)
+    return torch_seams.non_owning_cuda_tensor(t)
 
 
-def non_owning_supported() -> bool:
-    """The installed torch can make non-owning CUDA views (a CPU-only build lacks the CUDA half,
-    and never records graphs: its inputs are not on a CUDA device)."""
-    has_cuda_half = (
-        hasattr(torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata") or not torch.backends.cuda.is_built()
-    )
-    return hasattr(torch._C, "_construct_storage_from_data_pointer") and has_cuda_half
+non_owning_supported = torch_seams.non_owning_supported
 
 
 def _copy(t: Tensor) -> Tensor:

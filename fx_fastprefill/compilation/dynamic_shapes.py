@@ -14,8 +14,9 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-import torch.fx.experimental._config as _fx_config
 from torch import nn
+
+from ..torch_seams import fx_config as _fx_config
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import torch_seams
 from . import program_cache
 
 
@@ -114,8 +115,7 @@ def serializable_guards(closure: tuple[str, ...] = ()) -> Callable[[list[Any]], 
     """Dynamo's guard filter: keep every guard a saved function can check in another process (not
     object identities, not globals, not the traced function's closure, which is handed in again
     on load). What the dropped ones pinned is in :func:`model_key`."""
-    from torch._dynamo.guards import CheckFunctionManager
-    unsupported = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    unsupported = torch_seams.unsupported_serialization_guard_types()
     closure_names = set(closure)
     prefixes = tuple(name + sep for name in closure for sep in ".[")
 

@@ -35,8 +35,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import getpass
-import importlib
-import importlib.util
 import io
 import logging
 import os
@@ -48,7 +46,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .. import fallbacks
+from .. import fallbacks, torch_seams
 from . import program_cache
 from .importable import Reference, reference_to, resolve
 from .model_key import changed_sources, model_key, serializable_guards, traced_sources
@@ -61,8 +59,7 @@ MAX_FUNCTIONS = 8  # per path, like Dynamo's recompile limit: past it, the path 
 
 def available() -> bool:
     """This torch can compile ahead of time, save and load."""
-    return hasattr(torch.compiler, "load_compiled_function") and \
-        importlib.util.find_spec("torch._dynamo.aot_compile") is not None
+    return hasattr(torch.compiler, "load_compiled_function") and torch_seams.aot_compile_available()
 
 
 def _ranks() -> int:
@@ -113,13 +110,9 @@ def _serializable(backend: Any) -> Any:
     torch 2.13's aot_compile does that itself, 2.11's only for Inductor."""
     if isinstance(backend, str):
         return backend
-    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable, SerializableCallable
 
     def compile_serializable(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        compiled = backend(gm, example_inputs)
-        if getattr(compiled, "serialize", None) is not None and not isinstance(compiled, SerializableCallable):
-            return BundledAOTAutogradSerializableCallable(compiled)
-        return compiled
+        return torch_seams.serializable_backend_result(backend(gm, example_inputs))
     return compile_serializable
 
 
@@ -150,46 +143,29 @@ def without(model: torch.nn.Module, names: tuple[str, ...]) -> Iterator[None]:
         model.__dict__.update(saved)
 
 
-@contextlib.contextmanager
-def _local_key_order() -> Iterator[None]:
+def _local_key_order() -> contextlib.AbstractContextManager:
     """Dynamo saves, with a function's guards, every dict whose key order it guards, and looks each
     up again when the function is loaded. A global one has the order its process filled it in
     (transformers' registry of output recorders gains a key per model class built): a process that
     built other classes first saved an index past the end of the next one's (IndexError on load).
     Only the model's own (local) dicts are saved: guards on globals are not saved anyway
     (:func:`serializable_guards`), what they pinned is in the key."""
-    from torch._dynamo import guards
-    original = guards.pickle_guards_state
-
-    def pickle_state(state: Any, builder: Any) -> bytes:
+    @contextlib.contextmanager
+    def local_only(state: Any) -> Iterator[None]:
         order = state.output_graph.guard_on_key_order
         state.output_graph.guard_on_key_order = {source for source in order if source.guard_source.is_local()}
         try:
-            return original(state, builder)
+            yield
         finally:
             state.output_graph.guard_on_key_order = order
-    guards.pickle_guards_state = pickle_state
-    try:
-        yield
-    finally:
-        guards.pickle_guards_state = original
+    return torch_seams.guards_pickled_within(local_only)
 
 
-@contextlib.contextmanager
-def _builtins_resolve() -> Iterator[None]:
+def _builtins_resolve() -> contextlib.AbstractContextManager:
     """torch 2.11's check that a compiled function's globals hold every name its bytecode reads
     misses that builtins (``type``) resolve through ``__builtins__``, and refuses the function
     aot_compile just made; 2.13 saves the builtins it reads. The check, given the builtins too."""
-    from torch._dynamo.convert_frame import GraphRuntimeEnv
-    original = GraphRuntimeEnv._check_external_refs
-
-    def check(self: Any, f_globals: dict[str, Any]) -> None:
-        original(self, {**vars(builtins), **f_globals})
-    GraphRuntimeEnv._check_external_refs = check
-    try:
-        yield
-    finally:
-        GraphRuntimeEnv._check_external_refs = original
+    return torch_seams.external_refs_checked_with(vars(builtins))
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -337,7 +313,6 @@ class PrecompiledFunction:
 
     def _compile(self, args: tuple, kwargs: dict) -> Any:
         """aot_compile for these inputs and save; None (and the path falls back for good) on failure."""
-        from torch._dynamo.aot_compile import AOTCompiledFunction
         context = self.compile_context(args, kwargs, len(self.functions)) if self.compile_context \
             else contextlib.nullcontext()
         guard_filter = serializable_guards(_traced_function(self.method).__code__.co_freevars)
@@ -347,8 +322,9 @@ class PrecompiledFunction:
             # Float scalars specialized up front: aot_compile cannot restart the trace, as Dynamo does
             # when it finds a float it cannot turn into a tensor under dynamic=True.
             # torch 2.11 puts aot_compile on a compiled function only with enable_aot_compile on.
-            switches = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
-            with context, torch._dynamo.config.patch(specialize_float=True, **switches), \
+            switches = {"enable_aot_compile": True} if hasattr(torch_seams.dynamo_config, "enable_aot_compile") \
+                else {}
+            with context, torch_seams.dynamo_config.patch(specialize_float=True, **switches), \
                     without(self.model, self.hidden), _builtins_resolve(), _local_key_order():
                 function = torch.compile(self.method, fullgraph=True, **options).aot_compile((args, kwargs))
         except Exception as e:  # noqa: BLE001 - the path compiles as without precompiling: counted, logged
@@ -360,7 +336,8 @@ class PrecompiledFunction:
         self.compiled += 1
         try:
             f_globals = _traced_function(self.method).__globals__
-            data = AOTCompiledFunction.serialize(function, _closure_data(self.method)).serialized_data
+            # the function's own serializer (what its save_compiled_function writes to a file)
+            data = type(function).serialize(function, _closure_data(self.method)).serialized_data
             saved = {"format": FORMAT, "globals": _global_references(function, f_globals),
                      "sources": traced_sources(function), "function": data}
         except Exception as e:  # noqa: BLE001 - compiled but not saved: it still serves this process

@@ -39,15 +39,10 @@ import torch
 from .. import fallbacks
 from ..fallbacks import FallbackCounter
 from ..report.report import FastPrefillReport
+from ..torch_seams import CustomGraphPass, OutputCode, SerializableAOTDispatchCompiler, functorch_config, \
+    inductor_config, no_dispatch_modes
 from .regions import CompiledProgram
 
-try:
-    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
-    from torch._inductor.output_code import OutputCode
-except ImportError:  # a torch without the serializable compiler API: compiled uncached
-    SerializableAOTDispatchCompiler = None
-    OutputCode = object
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 # Set by the backend while AOTAutograd runs: called with each ProgramCode loaded from the cache.
 LOADER: contextvars.ContextVar[Callable[["ProgramCode"], None] | None] = contextvars.ContextVar(
@@ -110,7 +105,7 @@ def _real_tensors() -> contextlib.AbstractContextManager:
     FakeTensorMode, where a CUDA tensor constant (Gemma 3n's activation sparsity) cannot be copied
     to the CPU to pickle (seen on the GPU), and a constant unpickled under such a mode comes back a
     FakeTensor."""
-    return torch.utils._python_dispatch._disable_current_modes()
+    return no_dispatch_modes()
 
 
 def unpicklable_part(obj: Any, path: str = "", depth: int = 8) -> str:
@@ -225,11 +220,11 @@ def compiling_regions(users_tag: str) -> Iterator[None]:
       the package's ops, whose fake implementations Inductor's code was generated against. A user's
       post-grad pass that is not a ``CustomGraphPass`` is left alone: Inductor does not cache then.
     """
-    users_pass = torch._inductor.config.post_grad_custom_post_pass
+    users_pass = inductor_config.post_grad_custom_post_pass
     keyed = {"post_grad_custom_post_pass": PackageSourcesKey(users_pass)} \
         if users_pass is None or isinstance(users_pass, CustomGraphPass) else {}
-    with torch._functorch.config.patch(bundled_autograd_cache=False), \
-            torch.compiler.config.patch(cache_key_tag=users_tag), torch._inductor.config.patch(**keyed):
+    with functorch_config.patch(bundled_autograd_cache=False), \
+            torch.compiler.config.patch(cache_key_tag=users_tag), inductor_config.patch(**keyed):
         yield
 
 
@@ -249,6 +244,6 @@ def caching(tag: str, loader: Callable[[ProgramCode], None]) -> Iterator[None]:
     """Within: AOTAutograd bundles and serves programs keyed with ``tag`` (after any tag of the
     user's own), and hands each one it loads to ``loader``."""
     user_tag = torch.compiler.config.cache_key_tag
-    with loading(loader), torch._functorch.config.patch(bundled_autograd_cache=True), \
+    with loading(loader), functorch_config.patch(bundled_autograd_cache=True), \
             torch.compiler.config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag):
         yield

@@ -27,6 +27,7 @@ import logging
 import torch
 from torch.fx import GraphModule, Node
 
+from fx_fastprefill import torch_seams
 from fx_fastprefill.ops.schema import is_package_op
 from fx_fastprefill.passes.split_regions import REDUCED, assign_regions
 
@@ -38,7 +39,7 @@ UNCHANGED = "unchanged"  # the fingerprint of a graph compiled unchanged
 
 def _is_collective(node: Node) -> bool:
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
+    return isinstance(target, torch_seams.OpOverload) and target.namespace == "_c10d_functional"
 
 
 def collective_groups(gm: GraphModule) -> list[str]:
@@ -73,11 +74,10 @@ def agree(groups: list[str], mine: str) -> list[str] | None:
     import torch.distributed as dist
     if not groups or not dist.is_available() or not dist.is_initialized():
         return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
     answer: list[str] = []
-    with torch.utils._python_dispatch._disable_current_modes():  # real objects, not fakes, are sent
+    with torch_seams.no_dispatch_modes():  # real objects, not fakes, are sent
         for name in groups:
-            group = _resolve_process_group(name)
+            group = torch_seams.process_group_named(name)
             gathered: list[str] = [""] * dist.get_world_size(group)
             dist.all_gather_object(gathered, mine, group=group)
             if not answer or all(f == answer[0] for f in answer):

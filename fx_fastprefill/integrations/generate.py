@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import fallbacks
+from .. import fallbacks, torch_seams
 from ..compilation.backend import FastPrefillBackend
 from ..compilation.backend import backend as make_backend
 from ..compilation import precompiled
@@ -119,7 +119,7 @@ class GenerateForward(_NotPickled):
             self.original, name="prefill", options_key=str(backend.cache_tag), compile_options={"backend": backend},
             fallback=prefill_fallback, compile_context=marks, loader=backend.adopt_loaded,
             keyable=backend.cache_tag is not None, **common)
-        options = torch._inductor.list_mode_options(self.decode_mode, decode_dynamic) if self.decode_mode else {}
+        options = torch_seams.mode_options(self.decode_mode, decode_dynamic) if self.decode_mode else {}
         self.static_decode = self.precompiled[DECODE] = precompiled.PrecompiledFunction(
             self.original, name="decode", options_key=repr((decode_backend, decode_dynamic, sorted(options.items()))),
             compile_options={"backend": decode_backend, "dynamic": decode_dynamic, "options": options},

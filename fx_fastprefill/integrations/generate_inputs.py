@@ -14,13 +14,14 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from .. import torch_seams
+
 log = logging.getLogger("fx_fastprefill")
 
 def graphs_compiled() -> int:
     """Dynamo's count of graphs compiled in this process (any backend): the difference around a
     call is what that call compiled."""
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
+    return torch_seams.graphs_compiled()
 
 
 def input_ids_of(args: tuple, kwargs: dict) -> Any:
@@ -52,7 +53,7 @@ def mark_prompt_dynamic(args: tuple, kwargs: dict) -> None:
     the batch and everything else static: one graph for every prompt length, without
     ``dynamic=True``'s symbols for every dim and int (slower to trace, and it retraces once to
     specialize float scalars)."""
-    mark = torch._dynamo.maybe_mark_dynamic
+    mark = torch_seams.maybe_mark_dynamic
     for name, tensor in (("input_ids", input_ids_of(args, kwargs)), ("position_ids", kwargs.get("position_ids")),
                          ("inputs_embeds", kwargs.get("inputs_embeds"))):
         if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
@@ -83,7 +84,7 @@ def mark_batch_dynamic(args: tuple, kwargs: dict) -> None:
     does for a second graph, done before a second precompiled one (a batch of 1 stays specialized)."""
     for tensor in _marked_tensors(args, kwargs):
         if tensor.dim() >= 2:
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch_seams.maybe_mark_dynamic(tensor, 0)
 
 
 DIM_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
@@ -128,11 +129,10 @@ def kv_shapes(model: nn.Module, forward: Callable[..., Any], cache: Any) -> list
     transformers itself would allocate, for every model (Falcon's one shared K/V head whatever its
     config says, per-layer head dims), where a config-derived shape can be wrong. Module state the
     forward sets (a rotary cache, say) is put back as it was, so no fake tensor stays behind."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     probe = copy.deepcopy(cache)
     state = [(module, dict(module.__dict__), dict(module._buffers)) for module in model.modules()]
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        with torch_seams.fake_tensor_mode(allow_non_fake_inputs=True), torch.no_grad():
             ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
             forward(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_argument(forward): probe})
     except Exception as e:  # noqa: BLE001 - the shapes are then unknown: the cache is made in the prefill

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
+from .. import torch_seams
+
 NAMESPACE = "fx_fastprefill"
 
 _SCHEMAS = {
@@ -46,4 +48,4 @@ SDPA_Q, SDPA_K, SDPA_V, SDPA_MASK, SDPA_DROPOUT, SDPA_IS_CAUSAL, SDPA_SCALE, SDP
 def is_package_op(node: Node) -> bool:
     """A call of one of this package's ops (they read per-step host metadata: never inside a CUDA graph)."""
     target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == NAMESPACE
+    return node.op == "call_function" and isinstance(target, torch_seams.OpOverload) and target.namespace == NAMESPACE

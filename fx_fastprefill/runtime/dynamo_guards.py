@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-import torch._dynamo.config as dynamo_config
+from ..torch_seams import dynamo_config
 
 # Each only where the installed torch has it; decided once, not on every step.
 _SETTINGS = {k: v for k, v in {"specialize_float": True, "use_recursive_dict_tags_for_guards": True}.items()

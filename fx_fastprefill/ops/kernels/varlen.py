@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from ... import torch_seams
 from ..step_context import StepMetadata, to_device
 
 # Requests with at most this many queries go to the split-KV kernel (split_kv.py), short
@@ -151,7 +152,7 @@ def varlen_attention(
 def flash_varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, sliding_window):
     """FlashAttention-2 varlen through aten (CUDA, fp16 / bf16)."""
     left = -1 if sliding_window is None else sliding_window - 1
-    return torch.ops.aten._flash_attention_forward(
+    return torch_seams.flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
         window_size_left=left, window_size_right=0)[0]
 

@@ -1,0 +1,219 @@
+"""Every private torch name the package uses, in one place: the seams a torch release can move.
+
+The rest of ``fx_fastprefill/`` reaches torch's internals only through this module
+(tests/test_torch_seams.py fails on a private torch name used anywhere else, and on a seam that no
+longer resolves). Each seam says what it is for; all were checked on torch 2.11 (the GPU machine),
+2.13.0 and 2.14.1 (CPU). A seam that exists only in some releases says so and how its absence is
+handled. Public APIs are used wherever one serves (``torch.compiler``, ``torch.fx``,
+``torch.fx.experimental.symbolic_shapes``); what is here has none.
+
+Imports are lazy where the module is heavy or optional (Dynamo's precompile, Inductor's code cache,
+torch.distributed), so importing the package stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any, Callable, Sequence
+
+import torch
+import torch._dynamo.config as dynamo_config  # Dynamo's trace-time settings (specialize_float, ...)
+import torch._functorch.config as functorch_config  # AOTAutograd's cache switches
+import torch._inductor.config as inductor_config  # Inductor's codegen and cache settings
+import torch.fx.experimental._config as fx_config  # duck shaping, size-oblivious reasoning
+from torch._functorch.aot_autograd import aot_module_simplified  # the backend's one AOT trace
+from torch._guards import TracingContext, tracing  # Inductor compiles one graph per tracing context
+from torch._inductor.custom_graph_pass import CustomGraphPass  # a post-grad pass Inductor's FX cache keys
+from torch._ops import OpOverload  # an aten or custom op with a schema (FX node targets)
+
+try:  # 2.11+: a compiler whose output AOTAutograd caches; absent: the backend compiles uncached
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+    from torch._inductor.output_code import OutputCode
+except ImportError:  # pragma: no cover - every supported torch has them
+    SerializableAOTDispatchCompiler = None
+    OutputCode = object
+
+__all__ = [
+    "CustomGraphPass", "OpOverload", "OutputCode", "SerializableAOTDispatchCompiler", "TracingContext",
+    "aot_module_simplified", "dynamo_config", "functorch_config", "fx_config", "inductor_config", "tracing",
+]
+
+
+# --- Dynamo ----------------------------------------------------------------------------------
+
+def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """A dim Dynamo should trace as a symbol unless it must specialize it."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def graphs_compiled() -> int:
+    """Dynamo's count of graphs compiled in this process (any backend)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def aot_compile_available() -> bool:
+    """Dynamo's ahead-of-time compile (``torch.compile(...).aot_compile``), 2.11+."""
+    return importlib.util.find_spec("torch._dynamo.aot_compile") is not None
+
+
+def serializable_backend_result(compiled: Any) -> Any:
+    """A backend's AOTAutograd-compiled function wrapped so that aot_compile can save it: 2.13+
+    wraps it itself (the function is then returned as it is), 2.11 only for Inductor."""
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable, SerializableCallable
+    if getattr(compiled, "serialize", None) is not None and not isinstance(compiled, SerializableCallable):
+        return BundledAOTAutogradSerializableCallable(compiled)
+    return compiled
+
+
+def unsupported_serialization_guard_types() -> set[str]:
+    """The guard types Dynamo cannot save with a precompiled function."""
+    from torch._dynamo.guards import CheckFunctionManager
+    return set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+
+
+@contextlib.contextmanager
+def guards_pickled_within(changed: Callable[[Any], contextlib.AbstractContextManager]) -> Any:
+    """Within: Dynamo pickles a precompiled function's guard state inside ``changed(state)`` (a
+    context that alters the state and puts it back)."""
+    from torch._dynamo import guards
+    original = guards.pickle_guards_state
+
+    def pickle_state(state: Any, builder: Any) -> bytes:
+        with changed(state):
+            return original(state, builder)
+    guards.pickle_guards_state = pickle_state
+    try:
+        yield
+    finally:
+        guards.pickle_guards_state = original
+
+
+@contextlib.contextmanager
+def external_refs_checked_with(extra_globals: dict[str, Any]) -> Any:
+    """Within: aot_compile's check that a function's globals hold every name its bytecode reads
+    also sees ``extra_globals`` (2.11 misses builtins reached through ``__builtins__``)."""
+    from torch._dynamo.convert_frame import GraphRuntimeEnv
+    original = GraphRuntimeEnv._check_external_refs
+
+    def check(self: Any, f_globals: dict[str, Any]) -> None:
+        original(self, {**extra_globals, **f_globals})
+    GraphRuntimeEnv._check_external_refs = check
+    try:
+        yield
+    finally:
+        GraphRuntimeEnv._check_external_refs = original
+
+
+# --- Inductor --------------------------------------------------------------------------------
+
+def compile_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """Inductor's whole compile (AOT included): a graph left unchanged, with autograd on."""
+    from torch._inductor.compile_fx import compile_fx as inductor_compile
+    return inductor_compile(gm, list(example_inputs))
+
+
+def compile_fx_inner(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
+    """Inductor's compile of one aten graph (after AOT): a region or a piece."""
+    from torch._inductor.compile_fx import compile_fx_inner as inner
+    return inner(gm, example_inputs, **kwargs)
+
+
+def inductor_decompositions() -> dict:
+    """The decompositions Inductor gives AOTAutograd (its lowerings cover the rest)."""
+    from torch._inductor.decomposition import select_decomp_table
+    return select_decomp_table()
+
+
+def warm_compile_workers() -> None:
+    """Start Inductor's Triton compile workers (what Dynamo's ``inductor`` backend does first)."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # pragma: no cover - an optimisation only
+        return
+    maybe_warm_pool()
+
+
+def mode_options(mode: str, dynamic: bool | None) -> dict[str, Any]:
+    """Inductor's options for a ``torch.compile`` mode ("reduce-overhead", ...), as a dict that a
+    call can extend (``torch.compile`` takes a mode or options, not both)."""
+    return torch._inductor.list_mode_options(mode, dynamic)
+
+
+def reload_compiled_graph(graph: Any) -> Any:
+    """A deserialized ``CompiledFxGraph`` made callable again: its source written back to Inductor's
+    code cache and loaded, what Inductor does on an FX-graph-cache hit (outside any tracing context:
+    its output strides are not the enclosing graph's). None where Inductor could not load it."""
+    from torch._inductor.codecache import FxGraphCache
+    from torch._inductor.output_code import CompiledFxGraphConstants
+    constants = CompiledFxGraphConstants()
+    loaded, _ = FxGraphCache.cache_hit_post_compile(graph, {}, constants)
+    if loaded is None:
+        return None
+    with tracing(None):
+        loaded.post_compile([], constants, {"cudagraphs": False, "is_backward": False})
+    return loaded
+
+
+def static_input_indices() -> list[int]:
+    """The inputs AOTAutograd marked static (parameters, buffers) in the graph it is compiling."""
+    context = TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    return list(getattr(metadata, "static_input_indices", None) or [])
+
+
+# --- fake tensors, dispatch modes, ops ---------------------------------------------------------
+
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    """A fresh FakeTensorMode (a forward run for shapes only)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode(**kwargs)
+
+
+def no_dispatch_modes() -> contextlib.AbstractContextManager:
+    """No dispatch mode (fake, proxy) within: real tensors and real objects."""
+    return torch.utils._python_dispatch._disable_current_modes()
+
+
+def flash_attention_forward(*args: Any, **kwargs: Any) -> Any:
+    """FlashAttention's varlen forward (packed sequences, no padding)."""
+    return torch.ops.aten._flash_attention_forward(*args, **kwargs)
+
+
+# --- torch.distributed -----------------------------------------------------------------------
+
+def process_group_named(name: str) -> Any:
+    """The process group a functional collective names (graphs carry groups by name)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
+
+
+# --- logging ---------------------------------------------------------------------------------
+
+def register_torch_log(name: str, enable_now: bool) -> None:
+    """``TORCH_LOGS=name`` turns the logger ``name`` on (``enable_now``: re-read TORCH_LOGS)."""
+    from torch._logging import _internal
+    _internal.register_log(name, name)
+    if enable_now:
+        _internal._init_logs()
+
+
+# --- CUDA ------------------------------------------------------------------------------------
+
+def non_owning_cuda_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep it allocated."""
+    storage = t.untyped_storage()
+    meta = {"nbytes": storage.nbytes(), "data_ptr": storage.data_ptr(), "size": t.shape, "stride": t.stride(),
+            "dtype": t.dtype, "device": t.device, "storage_offset": t.storage_offset()}
+    alias = torch._C._construct_storage_from_data_pointer(meta["data_ptr"], t.device, meta["nbytes"])
+    return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, alias)
+
+
+def non_owning_supported() -> bool:
+    """This torch can make non-owning CUDA views (a CPU-only build lacks the CUDA half, and never
+    records graphs: its inputs are not on a CUDA device)."""
+    has_cuda_half = (
+        hasattr(torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata") or not torch.backends.cuda.is_built()
+    )
+    return hasattr(torch._C, "_construct_storage_from_data_pointer") and has_cuda_half

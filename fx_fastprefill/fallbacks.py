@@ -30,6 +30,10 @@ NO_PROGRAM_CACHE = ("the compiled program cannot be cached (torch API missing, o
 # Compile-time: the compiled program did not pickle, so the AOTAutograd cache holds nothing for it and the
 # next process compiles it again (the warning names the part that does not pickle).
 PROGRAM_NOT_SAVED = "the compiled program could not be saved in the AOTAutograd cache: the next process compiles it"
+# Load-time: a compiled program in the AOTAutograd cache whose bytes do not match their checksum (a damaged
+# entry): not loaded, the program is compiled again in this process.
+PROGRAM_DAMAGED = ("a compiled program in the AOTAutograd cache is damaged (its checksum does not match): not "
+                   "loaded, compiled again")
 # Compile-time, compile_for_generate(precompile=...) and Runner(precompile=...): a path saved and loaded whole
 # (compilation/precompiled.py).
 PRECOMPILE_UNAVAILABLE = ("precompiling asked for, but this torch has no aot_compile, the backend's program cannot "

@@ -142,6 +142,28 @@ def test_a_file_that_does_not_load_is_skipped_and_counted(tmp_path):
     assert backend.fallbacks == {fallbacks.PRECOMPILED_LOAD_FAILED: 1}
 
 
+def test_a_saved_file_with_a_flipped_byte_is_dropped_and_compiled_again(tmp_path):
+    """Issue 42: a saved function lies behind its sha256; one flipped byte is found before anything
+    is unpickled: skipped, counted, the file removed, the path compiled and saved again."""
+    from examples import hf_gemma4
+    model = hf_gemma4.smallest()
+    backend = fx_fastprefill.backend(compiler="eager")
+    function, _ = _precompiled_forward(model, tmp_path, backend=backend)
+    ids = torch.randint(3, model.config.vocab_size, (1, 7))
+    with torch.no_grad():
+        function(input_ids=ids)
+    [saved] = tmp_path.glob(f"prefill-{function.key}-*.bin")
+    data = bytearray(saved.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    saved.write_bytes(bytes(data))
+    again, _ = _precompiled_forward(model, tmp_path, backend=backend)
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert again.loaded == 0 and again.compiled == 1 and not saved.exists()
+    assert backend.fallbacks.get(fallbacks.PRECOMPILED_LOAD_FAILED) == 1, backend.fallbacks
+    assert len(list(tmp_path.glob(f"prefill-{function.key}-*.bin"))) == 1  # the new one
+
+
 def test_a_backend_that_cannot_be_keyed_does_not_precompile(tmp_path):
     from examples import hf_gemma4
     from fx_fastprefill.passes.pipeline import PIPELINE

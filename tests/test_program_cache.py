@@ -399,3 +399,25 @@ def test_generated_codes_globals_are_named_by_how_to_import_them():
         assert resolve(reference_to(value)) is value
     assert resolve(reference_to(math.inf)) == math.inf and math.isnan(resolve(reference_to(math.nan)))
     assert reference_to(local) is None and reference_to(object()) is None
+
+
+def test_a_program_whose_saved_bytes_changed_is_refused_and_counted():
+    """Issue 42: the program is saved behind its sha256; a flipped byte (which might still unpickle)
+    is found on load: not loaded (AOTAutograd compiles again), counted on the loading backend."""
+    from fx_fastprefill.report.report import FastPrefillReport
+
+    code = program_cache.ProgramCode({"weights": [1.0, 2.0]}, FastPrefillReport(cut=True), [], "")
+    code.prepare_for_serialization()
+    sound = code._pickled
+    damaged = bytearray(sound)
+    damaged[len(damaged) // 2] ^= 0x01
+    code._pickled = bytes(damaged)
+    counted = fallbacks.FallbackCounter()
+    with program_cache.caching("tag", lambda loaded: None, counted.record):
+        with pytest.raises(program_cache.DamagedArtifact, match="sha256 does not match"):
+            code.post_compile([], None, {})
+    assert counted == {fallbacks.PROGRAM_DAMAGED: 1} and code.program is None
+    code._pickled = sound
+    with program_cache.caching("tag", lambda loaded: None, counted.record):
+        code.post_compile([], None, {})
+    assert code.program == {"weights": [1.0, 2.0]} and counted == {fallbacks.PROGRAM_DAMAGED: 1}

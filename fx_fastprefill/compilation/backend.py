@@ -163,7 +163,8 @@ class FastPrefillBackend:
         elif compiler is None or self.cache_tag is None:
             compiler = None
             self.fallbacks.record(fallback_reasons.NO_PROGRAM_CACHE)
-        caching = program_cache.caching(self.cache_tag, loaded) if compiler else contextlib.nullcontext()
+        caching = program_cache.caching(self.cache_tag, loaded, self.fallbacks.record) if compiler \
+            else contextlib.nullcontext()
         compiler = compiler or compile_program
         with caching:
             compiled = torch_seams.aot_module_simplified(gm, example_inputs, fw_compiler=compiler,

@@ -53,7 +53,7 @@ from .model_key import changed_sources, model_key, serializable_guards, traced_s
 
 log = logging.getLogger("fx_fastprefill")
 
-FORMAT = 2  # 2: the digests of the traced sources
+FORMAT = 3  # 2: the digests of the traced sources; 3: the file behind its sha256
 MAX_FUNCTIONS = 8  # per path, like Dynamo's recompile limit: past it, the path compiles as usual
 
 
@@ -282,7 +282,11 @@ class PrecompiledFunction:
     def _load(self, path: Path) -> Any:
         stage = "reading the file"
         try:
-            saved = pickle.loads(path.read_bytes())
+            try:
+                saved = pickle.loads(program_cache.unsealed(path.read_bytes(), f"the file {path.name}"))
+            except program_cache.DamagedArtifact:
+                path.unlink(missing_ok=True)  # dropped: the path compiles and saves a sound one
+                raise
             if saved.get("format") != FORMAT:
                 raise ValueError(f"format {saved.get('format')}, this package reads {FORMAT}")
             changed = changed_sources(saved["sources"])
@@ -345,7 +349,7 @@ class PrecompiledFunction:
             self._give_up(fallbacks.PRECOMPILE_FAILED, f"compiled, but not saved: {type(e).__name__}: {e}")
             return function
         try:
-            write_atomically(self._new_path(), pickle.dumps(saved))
+            write_atomically(self._new_path(), program_cache.sealed(pickle.dumps(saved)))
         except OSError as e:  # a read-only folder, a file in its place: the same
             self._give_up(fallbacks.PRECOMPILE_FOLDER_FAILED,
                           f"compiled, but not saved in {self.folder}: {type(e).__name__}: {e}")

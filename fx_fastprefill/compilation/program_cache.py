@@ -29,6 +29,7 @@ import functools
 import hashlib
 import importlib.metadata
 import inspect
+import logging
 import pickle
 import reprlib
 from pathlib import Path
@@ -43,10 +44,33 @@ from ..torch_seams import CustomGraphPass, OutputCode, SerializableAOTDispatchCo
     inductor_config, no_dispatch_modes
 from .regions import CompiledProgram
 
+log = logging.getLogger("fx_fastprefill")
+
 
 # Set by the backend while AOTAutograd runs: called with each ProgramCode loaded from the cache.
 LOADER: contextvars.ContextVar[Callable[["ProgramCode"], None] | None] = contextvars.ContextVar(
     "fx_fastprefill_program_loader", default=None)
+# Set with LOADER: counts a cached program found damaged.
+DAMAGE_SINK: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
+    "fx_fastprefill_program_damage", default=None)
+CHECKSUM_BYTES = 32  # sha256
+
+
+class DamagedArtifact(ValueError):
+    """Saved bytes that do not match the checksum saved with them."""
+
+
+def sealed(payload: bytes) -> bytes:
+    """``payload`` behind its sha256: what is saved, so that a damaged copy is detected on load."""
+    return hashlib.sha256(payload).digest() + payload
+
+
+def unsealed(data: bytes, what: str) -> bytes:
+    """The payload of :func:`sealed` bytes; DamagedArtifact where the checksum does not match."""
+    digest, payload = data[:CHECKSUM_BYTES], data[CHECKSUM_BYTES:]
+    if len(data) < CHECKSUM_BYTES or hashlib.sha256(payload).digest() != digest:
+        raise DamagedArtifact(f"{what} is damaged: its sha256 does not match the one saved with it")
+    return payload
 
 
 class ProgramCode(OutputCode):
@@ -74,7 +98,7 @@ class ProgramCode(OutputCode):
         report = dataclasses.replace(self.report, graph=None, placeholder_names={})
         with _real_tensors():
             try:
-                self._pickled = pickle.dumps((self.program, report))
+                self._pickled = sealed(pickle.dumps((self.program, report)))
             except Exception as e:  # AOTAutograd logs it and saves nothing: say which part does not pickle
                 where = unpicklable_part({"program": self.program, "report": report})
                 if self.record_fallback is not None:  # None once counted: once per program, however often saved
@@ -87,8 +111,17 @@ class ProgramCode(OutputCode):
     def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
         """A cache hit: the program unpickled (its compiled graphs reloaded) and handed to the loader."""
         if self.program is None:
+            try:
+                payload = unsealed(self._pickled, "the compiled program")
+            except DamagedArtifact:  # AOTAutograd then compiles the graph again (a bypass of its cache)
+                log.warning("a compiled program in the AOTAutograd cache is damaged (checksum mismatch): "
+                            "compiled again")
+                record = DAMAGE_SINK.get()
+                if record is not None:
+                    record(fallbacks.PROGRAM_DAMAGED)
+                raise
             with torch.compiler.config.patch(cache_key_tag=self.cache_key_tag), _real_tensors():
-                self.program, self.report = pickle.loads(self._pickled)
+                self.program, self.report = pickle.loads(payload)
             self._pickled = None
         loader = LOADER.get()
         if loader is not None:
@@ -240,10 +273,22 @@ def loading(loader: Callable[[ProgramCode], None] | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def caching(tag: str, loader: Callable[[ProgramCode], None]) -> Iterator[None]:
+def caching(tag: str, loader: Callable[[ProgramCode], None],
+            record_fallback: Callable[[str], None] | None = None) -> Iterator[None]:
     """Within: AOTAutograd bundles and serves programs keyed with ``tag`` (after any tag of the
-    user's own), and hands each one it loads to ``loader``."""
+    user's own), hands each one it loads to ``loader``, and a damaged one's fallback to
+    ``record_fallback``."""
     user_tag = torch.compiler.config.cache_key_tag
+    token = DAMAGE_SINK.set(record_fallback)
+    try:
+        with _caching_within(user_tag, tag, loader):
+            yield
+    finally:
+        DAMAGE_SINK.reset(token)
+
+
+@contextlib.contextmanager
+def _caching_within(user_tag: str | None, tag: str, loader: Callable[[ProgramCode], None]) -> Iterator[None]:
     with loading(loader), functorch_config.patch(bundled_autograd_cache=True), \
             torch.compiler.config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag):
         yield

@@ -18,26 +18,31 @@ import importlib.util
 from typing import Any, Callable, Sequence
 
 import torch
-import torch._dynamo.config as dynamo_config  # Dynamo's trace-time settings (specialize_float, ...)
-import torch._functorch.config as functorch_config  # AOTAutograd's cache switches
-import torch._inductor.config as inductor_config  # Inductor's codegen and cache settings
-import torch.fx.experimental._config as fx_config  # duck shaping, size-oblivious reasoning
-from torch._functorch.aot_autograd import aot_module_simplified  # the backend's one AOT trace
 from torch._guards import TracingContext, tracing  # Inductor compiles one graph per tracing context
-from torch._inductor.custom_graph_pass import CustomGraphPass  # a post-grad pass Inductor's FX cache keys
-from torch._ops import OpOverload  # an aten or custom op with a schema (FX node targets)
 
-try:  # 2.11+: a compiler whose output AOTAutograd caches; absent: the backend compiles uncached
-    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
-    from torch._inductor.output_code import OutputCode
-except ImportError:  # pragma: no cover - every supported torch has them
-    SerializableAOTDispatchCompiler = None
-    OutputCode = object
 
-__all__ = [
-    "CustomGraphPass", "OpOverload", "OutputCode", "SerializableAOTDispatchCompiler", "TracingContext",
-    "aot_module_simplified", "dynamo_config", "functorch_config", "fx_config", "inductor_config", "tracing",
-]
+def __getattr__(name: str) -> Any:
+    """The seams that load Dynamo or Inductor, imported at first use: the passes, which read only
+    op schemas, load neither."""
+    if name == "dynamo_config":  # Dynamo's trace-time settings (specialize_float, ...)
+        import torch._dynamo.config as dynamo_config
+        return dynamo_config
+    if name == "inductor_config":  # Inductor's codegen and cache settings
+        import torch._inductor.config as inductor_config
+        return inductor_config
+    if name == "aot_module_simplified":  # the backend's one AOT trace
+        from torch._functorch.aot_autograd import aot_module_simplified
+        return aot_module_simplified
+    if name == "CustomGraphPass":  # a post-grad pass Inductor's FX graph cache keys
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+        return CustomGraphPass
+    if name == "SerializableAOTDispatchCompiler":  # a compiler whose output AOTAutograd caches (2.11+)
+        from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+        return SerializableAOTDispatchCompiler
+    if name == "OutputCode":  # the base of what such a compiler returns
+        from torch._inductor.output_code import OutputCode
+        return OutputCode
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- Dynamo ----------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class FastPrefillBackend:
             )
         if cudagraphs and graph_recorder is None and not non_owning_supported():
             raise RuntimeError(f"cudagraphs=True needs non-owning CUDA views of graph outputs "
-                               f"views of graph outputs), absent in torch {torch.__version__}")
+                               f"(torch_seams.non_owning_cuda_tensor), absent in torch {torch.__version__}")
         self.cudagraphs = cudagraphs
         self.compiler = compiler
         self.small_contractions = small_contractions

@@ -281,14 +281,8 @@ def caching(tag: str, loader: Callable[[ProgramCode], None],
     user_tag = torch.compiler.config.cache_key_tag
     token = DAMAGE_SINK.set(record_fallback)
     try:
-        with _caching_within(user_tag, tag, loader):
+        with loading(loader), functorch_config.patch(bundled_autograd_cache=True), \
+                torch.compiler.config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag):
             yield
     finally:
         DAMAGE_SINK.reset(token)
-
-
-@contextlib.contextmanager
-def _caching_within(user_tag: str | None, tag: str, loader: Callable[[ProgramCode], None]) -> Iterator[None]:
-    with loading(loader), functorch_config.patch(bundled_autograd_cache=True), \
-            torch.compiler.config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag):
-        yield

@@ -52,6 +52,8 @@ STATIC_CACHE_IN_PREFILL = ("the static cache's K/V shapes are not known before t
 PRECOMPILED_GUARD_MISS = "no saved precompiled function's guards pass for this call: another one is compiled and saved"
 # Compile-time: piecewise CUDA graphs were asked for but cannot be used for this graph.
 CUDAGRAPHS_NOT_CUDA = "CUDA graphs asked for, but the graph's inputs are not on a CUDA device: compiled without them"
+CUDAGRAPHS_NEED_INDUCTOR = ("CUDA graphs asked for with compiler='eager': they record Inductor's pieces only (a test's "
+                            "stand-in recorder excepted): compiled without them")
 # Run-time, per region call with piecewise CUDA graphs.
 CUDAGRAPH_WARMUP = (
     "first call of these sizes: the region runs without CUDA graphs (warm-up; the next call records them)"

@@ -129,7 +129,7 @@ class RerunGraph:
 
 
 class RerunRecorder:
-    """Records a piece as a RerunGraph (the backend's ``graph_recorder``, in place of CUDA graphs)."""
+    """Records a piece as a RerunGraph (the Runner's ``graph_recorder``, in place of CUDA graphs)."""
 
     def __init__(self):
         self.graphs = []

@@ -31,8 +31,8 @@ def main() -> None:
         return fx_fastprefill.Runner(model, backend=backend, max_num_tokens=64, max_model_len=96, **options)
 
     recorder = RerunRecorder()
-    backend = FastPrefillBackend(compiler="eager", cudagraphs=True, graph_recorder=recorder)
-    saved = runner(backend, precompile=args.folder, token_pad_sizes=[16, 48, 64])
+    backend = FastPrefillBackend(compiler="eager", cudagraphs=True)
+    saved = runner(backend, precompile=args.folder, token_pad_sizes=[16, 48, 64], graph_recorder=recorder)
     saved.capture(progress=False)
     graphs = counters["stats"]["unique_graphs"]
     logits = [saved.step(chunks) for chunks in STEPS]

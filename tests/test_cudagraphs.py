@@ -49,8 +49,8 @@ def test_recorded_pieces_replay_the_model():
     plain = reference()
     torch._dynamo.reset()
     recorder = RerunRecorder()
-    backend = FastPrefillBackend(compiler="eager", cudagraphs=True, graph_recorder=recorder)
-    runner, replayed = run_steps(backend, capture=True, token_pad_sizes=[16, 48, 64])
+    backend = FastPrefillBackend(compiler="eager", cudagraphs=True)
+    runner, replayed = run_steps(backend, capture=True, token_pad_sizes=[16, 48, 64], graph_recorder=recorder)
     for p, q in zip(plain, replayed):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5)
     assert runner.report.cut and runner.report.cudagraphs and recorder.replays > 0
@@ -96,11 +96,11 @@ def test_layers_of_one_kind_compile_one_piece(monkeypatch):
     monkeypatch.setattr(cudagraphs.PiecewiseRegion, "__init__",
                         lambda self, *a, **k: regions.append(self) or region_init(self, *a, **k))
 
-    def layered(backend):
+    def layered(backend, recorder=None):
         torch.manual_seed(7)
         runner = fx_fastprefill.Runner(Gemma3nLike(Config(n_layers=8, pattern=4, num_kv_shared_layers=2)),
                                        backend=backend, max_num_tokens=64, max_model_len=96,
-                                       token_pad_sizes=[16, 48, 64])
+                                       token_pad_sizes=[16, 48, 64], graph_recorder=recorder)
         if backend.cudagraphs:
             runner.capture(progress=False)
         return runner, [runner.step(chunks) for chunks in STEPS]
@@ -109,7 +109,7 @@ def test_layers_of_one_kind_compile_one_piece(monkeypatch):
     _, expected = layered(fx_fastprefill.backend(compiler="eager", fast_prefill=False))
     torch._dynamo.reset()
     recorder = RerunRecorder()
-    runner, replayed = layered(FastPrefillBackend(compiler="inductor", cudagraphs=True, graph_recorder=recorder))
+    runner, replayed = layered(FastPrefillBackend(compiler="inductor", cudagraphs=True), recorder)
     assert runner.report.cut and runner.report.cudagraphs and recorder.replays > 0
     assert runner.backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP] > 0  # each new size's first call is counted
     # Layers 3 and 7 full, the others sliding, 6 and 7 reading earlier K/V: the pieces from sliding
@@ -151,8 +151,16 @@ def test_bad_pad_sizes_and_seq_ids():
     runner = fx_fastprefill.Runner(small_model(), max_num_tokens=8)
     with pytest.raises(ValueError, match="seq_id must be a non-negative int"):
         runner.step([SeqChunk(-1, [1, 2])])
-    with pytest.raises(ValueError, match="cudagraphs=True needs compiler='inductor'"):
-        fx_fastprefill.backend(cudagraphs=True, compiler="eager")
+
+
+
+def test_cudagraphs_with_the_eager_compiler_and_no_recorder_fall_back_with_a_reason():
+    backend = fx_fastprefill.backend(cudagraphs=True, compiler="eager")
+    runner = fx_fastprefill.Runner(small_model(), backend=backend, max_num_tokens=16, max_model_len=32,
+                                   token_pad_sizes=[4, 16])
+    runner.step([SeqChunk(0, [1, 2, 3])])
+    assert backend.fallbacks[fallbacks.CUDAGRAPHS_NEED_INDUCTOR] == 1 and not runner.report.cudagraphs
+    assert runner.whole_step_graphs is None  # no recorder on the CPU: no whole-step graphs either
 
 
 def test_cudagraphs_on_the_cpu_fall_back_with_a_reason():
@@ -222,8 +230,8 @@ def test_the_piece_split_is_a_timed_and_dumped_pass(tmp_path, monkeypatch):
     pipeline's ``pieces`` pass: timed in the report and written with FX_FASTPREFILL_DUMP_GRAPHS."""
     monkeypatch.setenv("FX_FASTPREFILL_DUMP_GRAPHS", str(tmp_path))
     torch._dynamo.reset()
-    backend = FastPrefillBackend(compiler="eager", cudagraphs=True, graph_recorder=RerunRecorder())
-    runner, _ = run_steps(backend, token_pad_sizes=[16, 32, 64])
+    backend = FastPrefillBackend(compiler="eager", cudagraphs=True)
+    runner, _ = run_steps(backend, token_pad_sizes=[16, 32, 64], graph_recorder=RerunRecorder())
     assert runner.report.cut and "pieces" in runner.report.pass_seconds
     [dump] = tmp_path.glob("*_pieces.txt")
     text = dump.read_text()
@@ -235,9 +243,8 @@ def test_after_capture_no_step_warms_up_with_or_without_the_pass(fast_prefill):
     """capture() records every size a step can take: for the cut program each T and each R, for
     the program compiled unchanged (the benchmarks' baseline, one region keyed by (T, R)) every
     pair. No step after it runs a region without graphs."""
-    backend = FastPrefillBackend(compiler="eager", cudagraphs=True, graph_recorder=RerunRecorder(),
-                                 fast_prefill=fast_prefill)
-    runner, _ = run_steps(backend, capture=True, token_pad_sizes=[16, 32, 64])
+    backend = FastPrefillBackend(compiler="eager", cudagraphs=True, fast_prefill=fast_prefill)
+    runner, _ = run_steps(backend, capture=True, token_pad_sizes=[16, 32, 64], graph_recorder=RerunRecorder())
     assert runner.report.cut == fast_prefill and runner.report.cudagraphs
     warm_ups = backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP]
     runner.step([SeqChunk(20, list(range(1, 40)), 1), SeqChunk(21, [3, 4, 5], 3)])  # (T, R) = (64, 4)

@@ -11,8 +11,9 @@ from tests.helpers import RerunRecorder, small_model
 
 
 def _serve(backend, workload: Workload):
+    options = {"token_pad_sizes": [2, 4, 8, 16, 32], "graph_recorder": RerunRecorder()} if backend is not None else {}
     runner = fx_fastprefill.Runner(small_model(), backend=backend, max_num_tokens=32, max_model_len=80, max_num_seqs=3,
-                                   **({"token_pad_sizes": [2, 4, 8, 16, 32]} if backend is not None else {}))
+                                   **options)
     requests = make_requests(workload, 512, seed=3)
     served = serve(runner, requests, workload, seed=3, progress=False)
     return runner, requests, summarize(requests, served)
@@ -25,8 +26,7 @@ def test_serve_with_and_without_the_pass_gives_the_eager_tokens():
     eager = fx_fastprefill.Runner(small_model(), max_num_tokens=80, max_model_len=80)
     assert expected == [eager.generate([r.prompt], r.max_new_tokens)[0] for r in requests]  # one at a time
     for fast_prefill in (True, False):
-        backend = FastPrefillBackend(compiler="eager", fast_prefill=fast_prefill, cudagraphs=True,
-                                     graph_recorder=RerunRecorder())
+        backend = FastPrefillBackend(compiler="eager", fast_prefill=fast_prefill, cudagraphs=True)
         runner, requests, summary = _serve(backend, workload)
         assert [r.output for r in requests] == expected, fast_prefill
         assert runner.report.cut == fast_prefill

@@ -35,8 +35,8 @@ def plain_runner() -> fx_fastprefill.Runner:
 
 def graphed_runner(**options):
     recorder = RerunRecorder()
-    backend = FastPrefillBackend(compiler="eager", cudagraphs=True, graph_recorder=recorder)
-    return make_runner(backend, token_pad_sizes=PAD_SIZES, **options), backend, recorder
+    backend = FastPrefillBackend(compiler="eager", cudagraphs=True)
+    return make_runner(backend, token_pad_sizes=PAD_SIZES, graph_recorder=recorder, **options), backend, recorder
 
 
 def test_decode_steps_replay_whole_step_graphs_and_generate_the_same_tokens():

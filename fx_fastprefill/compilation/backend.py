@@ -30,12 +30,12 @@ from ..ops import sdpa as _sdpa_kernels  # noqa: F401
 from ..ops.attention import NO_BACKWARD
 from ..report.builder import build_report
 from ..report.report import ReportLog
-from . import spmd
-from . import program_cache
+from . import program_cache, program_env, spmd
 from .compile_graph import (COMPILERS, BoxedGraph, GraphCode, Submodule, compile_boxed, inductor, lowering,
                             swap_submodule)
-from .cudagraphs import PiecewiseRegion, Recorder, non_owning_supported
+from .cudagraphs import PiecewiseRegion, non_owning_supported
 from .program_cache import ProgramCode
+from .program_env import ProgramEnv
 from .regions import CompiledProgram, StepGate
 
 log = logging.getLogger("fx_fastprefill")
@@ -62,14 +62,12 @@ def needs_autograd(gm: GraphModule, example_inputs: Sequence[Any]) -> bool:
 
 class FastPrefillBackend:
     """A torch.compile backend. Keeps a :class:`FastPrefillReport` per compiled graph in ``reports``
-    (the latest ``max_reports``).
-
-    ``graph_recorder`` replaces CUDA graphs by another recorder (tests: a stand-in on the CPU)."""
+    (the latest ``max_reports``). A graph on non-CUDA inputs is compiled for CUDA graphs only
+    where a recorder is set (``program_env.recording_with``: tests' stand-in on the CPU)."""
 
     def __init__(self, *, fast_prefill: bool = True, draft_layers: Iterable[str] = (), compiler: str = "inductor",
                  prompt_len: int = 2048, cudagraphs: bool = False, narrow_slices: bool = True,
-                 max_reports: int = 64, passes: Sequence[Pass] | None = None, graph_recorder: Recorder | None = None,
-                 small_contractions: bool = True):
+                 max_reports: int = 64, passes: Sequence[Pass] | None = None, small_contractions: bool = True):
         if not isinstance(fast_prefill, bool):
             raise TypeError(f"fast_prefill must be a bool, got {fast_prefill!r}")
         if isinstance(draft_layers, str) or not all(isinstance(d, str) for d in draft_layers):
@@ -88,11 +86,7 @@ class FastPrefillBackend:
             raise TypeError(f"small_contractions must be a bool, got {small_contractions!r}")
         if not isinstance(max_reports, int) or max_reports < 1:
             raise ValueError(f"max_reports must be a positive int, got {max_reports!r}")
-        if cudagraphs and compiler != "inductor" and graph_recorder is None:
-            raise ValueError(
-                f"cudagraphs=True needs compiler='inductor' (the regions are captured by Inductor), got {compiler!r}"
-            )
-        if cudagraphs and graph_recorder is None and not non_owning_supported():
+        if cudagraphs and not non_owning_supported():
             raise RuntimeError(f"cudagraphs=True needs non-owning CUDA views of graph outputs "
                                f"(torch_seams.non_owning_cuda_tensor), absent in torch {torch.__version__}")
         self.cudagraphs = cudagraphs
@@ -102,14 +96,13 @@ class FastPrefillBackend:
         self.passes = list(PIPELINE if passes is None else passes)
         if not all(callable(p) for p in self.passes):
             raise TypeError(f"passes must be callables taking a PassContext, got {self.passes!r}")
-        self.graph_recorder = graph_recorder
         self.reports = ReportLog(max_reports)
         self.fallbacks = FallbackCounter()
         self._input_names: list[str] = []
         self._autograd_warned = False
         self._declined_by_ranks = ""  # set while the ranks' disagreement recompiles a graph unchanged
         options = {**dataclasses.asdict(self.options), "compiler": compiler, "cudagraphs": cudagraphs,
-                   "small_contractions": small_contractions, "recorder": type(graph_recorder).__qualname__}
+                   "small_contractions": small_contractions}
         # What keys this backend's programs in a cache (program_cache.py); None: not cacheable.
         self.cache_tag = program_cache.cache_key_tag(options, self.passes)
 
@@ -180,7 +173,7 @@ class FastPrefillBackend:
         for reason, count in report.fallbacks.items():
             self.fallbacks.record(reason)
             self.fallbacks[reason] += count - 1
-        code.program.bind(self._fallback_recorder(report.fallbacks), self.graph_recorder)
+        code.env = ProgramEnv(self._fallback_recorder(report.fallbacks))
         self.reports.append(report)
         log.info("loaded a compiled graph from the AOTAutograd cache%s", "" if report.cut else " (not cut)")
 
@@ -208,11 +201,7 @@ class FastPrefillBackend:
         static = _static_inputs(inputs)
         graph_fallbacks = FallbackCounter()  # this graph's share of self.fallbacks, in its report
         record_fallback = self._fallback_recorder(graph_fallbacks)
-        cudagraphs = self.cudagraphs
-        if cudagraphs and self.graph_recorder is None and not any(
-                isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
-            cudagraphs = False
-            record_fallback(fallback_reasons.CUDAGRAPHS_NOT_CUDA)
+        cudagraphs = self.cudagraphs and self._graphs_recordable(example_inputs, record_fallback)
         ctx = run_pipeline(PassContext(gm, dataclasses.replace(self.options, cudagraphs=cudagraphs),
                                        static_inputs=static), self.passes)
         if self._declined_by_ranks:
@@ -221,7 +210,7 @@ class FastPrefillBackend:
         program = None
         if not ctx.declined:
             try:
-                program = self._compile_cut(ctx, static, cudagraphs, record_fallback)
+                program = self._compile_cut(ctx, static, cudagraphs)
             except Exception as e:  # noqa: BLE001 - the pass never breaks a compile: counted, logged, unchanged
                 log.warning("compiling the cut regions failed; the graph is compiled unchanged", exc_info=True)
                 ctx.declined, ctx.failed = f"compiling the cut regions failed: {type(e).__name__}: {e}", True
@@ -231,46 +220,52 @@ class FastPrefillBackend:
         self.reports.append(report)
         if ctx.declined:
             log.info("graph left unchanged: %s", report.reason)
-            program = self._compile_unchanged(ctx.unchanged or gm, example_inputs, static, cudagraphs, record_fallback)
+            program = self._compile_unchanged(ctx.unchanged or gm, example_inputs, static, cudagraphs)
         else:
             log.info("compiled a graph with %d attention layers\n%s", len(ctx.layers), report.summary())
         groups = spmd.collective_groups(ctx.unchanged or gm)
         return ProgramCode(program, report, groups, spmd.fingerprint(ctx.gm, ctx.declined), record_fallback)
 
-    def _compile_cut(self, ctx: PassContext, static: set[Node], cudagraphs: bool,
-                     record_fallback: Callable[[str], None]) -> CompiledProgram:
+    def _graphs_recordable(self, example_inputs: Sequence[Any], record_fallback: Callable[[str], None]) -> bool:
+        """CUDA graphs need Inductor's pieces and CUDA inputs, unless a recorder of the caller's
+        records them (program_env.recording_with: tests' stand-in); else counted, and none are made."""
+        if program_env.recorder() is not None:
+            return True
+        if self.compiler != "inductor":
+            record_fallback(fallback_reasons.CUDAGRAPHS_NEED_INDUCTOR)
+            return False
+        if not any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
+            record_fallback(fallback_reasons.CUDAGRAPHS_NOT_CUDA)
+            return False
+        return True
+
+    def _compile_cut(self, ctx: PassContext, static: set[Node], cudagraphs: bool) -> CompiledProgram:
         """The two regions compiled and swapped into the split graph, the reduced one behind the gate."""
         split, plan = ctx.split, ctx.plan
         static_names = {ctx.copies[n].name for n in static}
         compiled_pieces: dict = {}  # one compile per distinct piece, shared by both regions (one shape env)
-        parts = []
         for name in (FULL, REDUCED):
             region = getattr(split, name)
             static_idxs = region_static_idxs(split, name, static_names)
-            run = self._compile_region(region, static_idxs, cudagraphs, record_fallback, ctx.pieces.get(name),
-                                       compiled_pieces)
+            run = self._compile_region(region, static_idxs, cudagraphs, ctx.pieces.get(name), compiled_pieces)
             if name == REDUCED and plan.per_step:
-                run = StepGate(run, region, plan.index.name, plan.rows, plan.reduced_rows, record_fallback)
-            if hasattr(run, "bind"):
-                parts.append(run)
+                run = StepGate(run, region, plan.index.name, plan.rows, plan.reduced_rows)
             swap_submodule(split, name, run)
-        return CompiledProgram(GraphCode(split), copy_outputs=cudagraphs, parts=parts)
+        return CompiledProgram(GraphCode(split), copy_outputs=cudagraphs)
 
-    def _compile_region(self, region: GraphModule, static_idxs: list[int], cudagraphs: bool,
-                        record_fallback: Callable[[str], None], pieces: Any = None,
+    def _compile_region(self, region: GraphModule, static_idxs: list[int], cudagraphs: bool, pieces: Any = None,
                         compiled_pieces: dict | None = None) -> Callable[..., Any]:
         if cudagraphs:
-            return PiecewiseRegion(region, self.compiler, static_idxs, record_fallback, self.graph_recorder, pieces,
-                                   compiled_pieces)
+            return PiecewiseRegion(region, self.compiler, static_idxs, pieces, compiled_pieces)
         return Submodule(compile_boxed(region, self.compiler, static_idxs))
 
-    def _compile_unchanged(self, gm: GraphModule, example_inputs: Sequence[Any], static: set[Node], cudagraphs: bool,
-                           record_fallback: Callable[[str], None]) -> CompiledProgram:
+    def _compile_unchanged(self, gm: GraphModule, example_inputs: Sequence[Any], static: set[Node],
+                           cudagraphs: bool) -> CompiledProgram:
         static_idxs = [i for i, n in enumerate(placeholders(gm)) if n in static]
         if cudagraphs:
-            region = PiecewiseRegion(gm, self.compiler, static_idxs, record_fallback, self.graph_recorder)
+            region = PiecewiseRegion(gm, self.compiler, static_idxs)
             region.copy_outputs = True  # the caller keeps them past the next call
-            return CompiledProgram(region, parts=[region])
+            return CompiledProgram(region)
         if self.compiler == "eager":
             return CompiledProgram(Submodule(BoxedGraph(GraphCode(gm), single=False)))
         return CompiledProgram(Submodule(BoxedGraph(inductor(gm, example_inputs, static_idxs), single=False)))

@@ -27,6 +27,7 @@ compiled: a graph cannot be recorded inside another.
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -42,6 +43,7 @@ from ..ops.step_context import WHOLE_STEP, current_step
 from .. import fallbacks as reasons
 from .. import torch_seams
 from . import graph_lifecycle as lifecycle
+from . import program_env
 from .compile_graph import BoxedFn, GraphCode, compile_boxed, returns_tuple, swap_submodule
 
 log = logging.getLogger("fx_fastprefill")
@@ -139,44 +141,46 @@ class _RecordedPiece:
 
 @dataclass
 class _RegionState:
-    """What the pieces of one region share: the mode and key of the current call, the pool, the
-    staging buffers, and the storages a recording forward reads in place (parameters, and what its
-    recorded pieces produced)."""
+    """One region's run-time side, kept by the running program's env (program_env.py), never
+    pickled: the mode and key of the current call, the pool, the staging buffers, the storages a
+    recording forward reads in place (parameters, and what its recorded pieces produced), each
+    piece's recorded graphs by key, and where each key stands (graph_lifecycle.py)."""
     recorder: Recorder
+    keys: lifecycle.KeyedGraphLifecycle
+    record_fallback: Callable[[str], None]
     mode: str = PLAIN
     key: tuple = ()
     pool: Any = None
     staging: StagingBuffers = field(default_factory=StagingBuffers)
     produced: set[int] = field(default_factory=set)
     graphs: list = field(default_factory=list)  # every recorded graph, kept alive (pool bookkeeping)
+    recorded: dict[int, dict[tuple, _RecordedPiece]] = field(default_factory=dict)  # by piece index, then key
+    static_ptrs: list[int] | None = None
+
+
+# The state of the region whose pieces run now (set by PiecewiseRegion around its split's call).
+_ACTIVE: ContextVar[_RegionState | None] = ContextVar("fx_fastprefill_active_region", default=None)
 
 
 class CUDAGraphPiece:
-    """One compiled piece: run as compiled, recorded, or replayed, as its region's call decides."""
+    """One compiled piece: run as compiled, recorded, or replayed, as its region's call decides
+    (the region's state, :data:`_ACTIVE`). Plain data: the compiled piece and how it is called."""
 
-    def __init__(self, fn: BoxedFn, static: list[bool], single: bool, state: _RegionState | None):
-        self.fn, self.static, self.single, self.state = fn, static, single, state
-        self.recorded: dict[tuple, _RecordedPiece] = {}
-
-    def __getstate__(self) -> dict:
-        """The compiled piece, not its graphs (a loading process records its own)."""
-        return {"fn": self.fn, "static": self.static, "single": self.single}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, state=None, recorded={})
+    def __init__(self, fn: BoxedFn, static: list[bool], single: bool, index: int):
+        self.fn, self.static, self.single, self.index = fn, static, single, index
 
     def __call__(self, *args: Any) -> Any:
-        mode = self.state.mode
+        state = _ACTIVE.get()
+        mode = PLAIN if state is None else state.mode
         if mode == REPLAY:
-            outputs = self._replay(self.recorded[self.state.key], args)
+            outputs = self._replay(state.recorded[self.index][state.key], args)
         elif mode == RECORD:
-            outputs = self._record(list(args))
+            outputs = self._record(state, list(args))
         else:
             outputs = self.fn(list(args))
         return outputs[0] if self.single else tuple(outputs)
 
-    def _record(self, args: list) -> list:
-        state = self.state
+    def _record(self, state: _RegionState, args: list) -> list:
         staged = []
         for i, value in enumerate(args):
             if isinstance(value, Tensor) and not self.static[i] and _storage(value) not in state.produced:
@@ -189,7 +193,7 @@ class CUDAGraphPiece:
         graph, outputs = state.recorder.capture(self.fn, args, state.pool)
         state.graphs.append(graph)
         copy_out = [j for j, o in enumerate(outputs) if isinstance(o, Tensor) and state.staging.owns(o)]
-        self.recorded[state.key] = _RecordedPiece(
+        state.recorded.setdefault(self.index, {})[state.key] = _RecordedPiece(
             graph, staged, [state.recorder.alias(o) if isinstance(o, Tensor) else o for o in outputs], copy_out)
         outputs = [_copy(o) if j in copy_out else o for j, o in enumerate(outputs)]
         # Owning until this forward ends; a copied-out value gets a new address each replay: its readers stage it.
@@ -211,13 +215,14 @@ class CUDAGraphPiece:
 class PiecewiseRegion:
     """A region run piece by piece; decides per call whether its pieces warm up, record or replay.
 
-    ``static`` are the region inputs read in place (parameters, buffers); ``record_fallback`` counts
-    and logs each call that runs without graphs, with its reason. ``copy_outputs``: return copies,
-    not views of graph memory that the next call rewrites (for a region whose outputs leave the model).
+    ``static`` are the region inputs read in place (parameters, buffers). Each call that runs
+    without graphs is counted and logged with its reason by the running program's env, which also
+    keeps the region's graphs (program_env.py): the region itself is plain data. ``copy_outputs``:
+    return copies, not views of graph memory that the next call rewrites (for a region whose
+    outputs leave the model).
     """
 
     def __init__(self, region: GraphModule, compiler: str, static_input_idxs: list[int],
-                 record_fallback: Callable[[str], None], recorder: Recorder | None = None,
                  pieces: tuple[GraphModule, list[PieceInfo]] | None = None, compiled_pieces: dict | None = None):
         """``pieces``: the region already split (the pipeline's ``pieces`` pass); else split here
         (a graph compiled unchanged, which the pipeline did not finish). ``compiled_pieces``: pieces
@@ -241,7 +246,7 @@ class PiecewiseRegion:
             key = piece_signature(module, static_idxs)
             if key not in compiled:
                 compiled[key] = compile_boxed(module, compiler, static_idxs)
-            piece = CUDAGraphPiece(compiled[key], static, not returns_tuple(module), None)
+            piece = CUDAGraphPiece(compiled[key], static, not returns_tuple(module), len(self.pieces))
             self.pieces.append(piece)
             swap_submodule(self.split, info.name, piece)
         for info in infos:
@@ -250,23 +255,13 @@ class PiecewiseRegion:
         self.split = GraphCode(self.split)
         self.static_positions = sorted(static_input_idxs)
         self.copy_outputs = False
-        self.bind(record_fallback, recorder)
 
-    def bind(self, record_fallback: Callable[[str], None], recorder: Recorder | None = None) -> None:
-        """Fresh graph state: a new pool, staging and lifecycle, fallbacks counted by ``record_fallback``."""
-        self.state = _RegionState(recorder or CUDAGraphRecorder())
-        for piece in self.pieces:
-            piece.state = self.state
-            piece.recorded.clear()
-        self.record_fallback = record_fallback
-        self.keys = lifecycle.KeyedGraphLifecycle(record_fallback, reasons.CUDAGRAPH_WARMUP,
-                                                  reasons.CUDAGRAPH_RECORD_FAILED)
-        self.static_ptrs: list[int] | None = None
-
-    def __getstate__(self) -> dict:
-        """The split, its compiled pieces and how to key them; graphs and counters are bound on load."""
-        kept = ("split", "pieces", "key_sizes", "static_positions", "copy_outputs")
-        return {k: self.__dict__[k] for k in kept}
+    @staticmethod
+    def _new_state(env: program_env.ProgramEnv) -> _RegionState:
+        """Fresh graph state under ``env``: a new pool, staging and lifecycle."""
+        keys = lifecycle.KeyedGraphLifecycle(env.record_fallback, reasons.CUDAGRAPH_WARMUP,
+                                             reasons.CUDAGRAPH_RECORD_FAILED)
+        return _RegionState(program_env.recorder() or CUDAGraphRecorder(), keys, env.record_fallback)
 
     def _key_sizes(self, inputs: list[Node], infos) -> list[tuple[int, int | None]]:
         """Where to read the sizes that fix every recorded piece's input shapes: one (input, dim)
@@ -291,13 +286,20 @@ class PiecewiseRegion:
         return tuple(int(args[i]) if dim is None else args[i].shape[dim] for i, dim in self.key_sizes)
 
     def __call__(self, *args: Any) -> Any:
+        state = program_env.current().state_of(self, self._new_state)
+        token = _ACTIVE.set(state)
+        try:
+            return self._output(self._run(state, args))
+        finally:
+            _ACTIVE.reset(token)
+
+    def _run(self, state: _RegionState, args: tuple) -> Any:
         step = current_step()
         if step is not None and step.graph_mode == WHOLE_STEP:
             # Inside a whole-step graph (recording it, or warming it up): no graphs of our own.
-            self.state.mode = PLAIN
-            return self._output(self.split(*args))
-        key, action = self._state(args)
-        state = self.state
+            state.mode = PLAIN
+            return self.split(*args)
+        key, action = self._state(state, args)
         state.key = key
         if action == lifecycle.REPLAY:
             state.mode = REPLAY
@@ -308,18 +310,18 @@ class PiecewiseRegion:
             state.produced.update(_storage(args[i]) for i in self.static_positions if isinstance(args[i], Tensor))
             try:
                 out = self.split(*args)
-                self.keys.recorded(key)
-                return self._output(out)
+                state.keys.recorded(key)
+                return out
             except Exception as e:  # noqa: BLE001 - counted and logged; this key runs without graphs
                 log.warning("recording the CUDA graphs of a region failed for sizes %s: %s", key, e,
-                            exc_info=not self.keys.failures)
-                self.keys.failed(key)
+                            exc_info=not state.keys.failures)
+                state.keys.failed(key)
                 state.mode = PLAIN
             finally:
                 state.produced.clear()
         else:
             state.mode = PLAIN
-        return self._output(self.split(*args))
+        return self.split(*args)
 
     def _output(self, out: Any) -> Any:
         if not self.copy_outputs:
@@ -328,15 +330,14 @@ class PiecewiseRegion:
             return tuple(o.clone() if isinstance(o, Tensor) else o for o in out)
         return out.clone() if isinstance(out, Tensor) else out
 
-    def _state(self, args: tuple) -> tuple[tuple, str]:
+    def _state(self, state: _RegionState, args: tuple) -> tuple[tuple, str]:
         """This call's key and what to do for it (graph_lifecycle.py: warm up, record, replay, or run
         without graphs)."""
         ptrs = [args[i].data_ptr() if isinstance(args[i], Tensor) else None for i in self.static_positions]
-        if self.static_ptrs is not None and ptrs != self.static_ptrs:
-            self.record_fallback(reasons.CUDAGRAPH_STATIC_INPUT_MOVED)
-            for piece in self.pieces:
-                piece.recorded.clear()  # their graphs stay alive in state.graphs
-            self.keys.clear()
-        self.static_ptrs = ptrs
+        if state.static_ptrs is not None and ptrs != state.static_ptrs:
+            state.record_fallback(reasons.CUDAGRAPH_STATIC_INPUT_MOVED)
+            state.recorded.clear()  # their graphs stay alive in state.graphs
+            state.keys.clear()
+        state.static_ptrs = ptrs
         key = self._key(args)
-        return key, self.keys.action(key)
+        return key, state.keys.action(key)

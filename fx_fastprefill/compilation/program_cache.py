@@ -42,6 +42,8 @@ from ..fallbacks import FallbackCounter
 from ..report.report import FastPrefillReport
 from ..torch_seams import CustomGraphPass, OutputCode, SerializableAOTDispatchCompiler, functorch_config, \
     inductor_config, no_dispatch_modes
+from . import program_env
+from .program_env import ProgramEnv
 from .regions import CompiledProgram
 
 log = logging.getLogger("fx_fastprefill")
@@ -89,9 +91,12 @@ class ProgramCode(OutputCode):
         self.cache_key_tag = torch.compiler.config.cache_key_tag
         self._pickled: bytes | None = None
         self.record_fallback = record_fallback  # the compiling backend's: counts a program that is not saved
+        # What the program reads at run time (program_env.py); a loaded program gets its loader's.
+        self.env: ProgramEnv | None = ProgramEnv(record_fallback or FallbackCounter().record)
 
     def __call__(self, inputs: list) -> list:
-        return self.program(inputs)
+        with program_env.running(self.env):
+            return self.program(inputs)
 
     def prepare_for_serialization(self) -> None:
         # The report's graph and node names are the compile's FX objects (its printed picture): not kept.
@@ -106,7 +111,7 @@ class ProgramCode(OutputCode):
                     self.record_fallback = None
                 raise pickle.PicklingError(f"the compiled program does not pickle, at {where}: "
                                            f"{type(e).__name__}: {e}") from e
-        self.program = self.report = self.record_fallback = None  # the backend's counter is not saved
+        self.program = self.report = self.record_fallback = self.env = None  # the backend's counter is not saved
 
     def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
         """A cache hit: the program unpickled (its compiled graphs reloaded) and handed to the loader."""
@@ -125,9 +130,9 @@ class ProgramCode(OutputCode):
             self._pickled = None
         loader = LOADER.get()
         if loader is not None:
-            loader(self)
+            loader(self)  # which gives it the loading backend's env
         else:  # loaded outside the backend (torch's own precompile): its fallbacks counted here only
-            self.program.bind(FallbackCounter().record)
+            self.env = ProgramEnv(FallbackCounter().record)
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         """Each compiled graph inside carries its own kernels."""

@@ -32,6 +32,7 @@ from torch.fx import GraphModule, Node
 
 from fx_fastprefill.passes.fx_utils import output_args, placeholders, size_sources
 
+from . import program_env
 from ..ops.step_context import REDUCED_LOGITS_ROWS, REDUCED_SKIP, current_step, plan_reduced_region
 
 
@@ -39,12 +40,12 @@ class StepGate:
     """The reduced region behind the per-step decision; called as the ``reduced`` submodule.
 
     Holds what it reads of the region as plain data (positions, size symbols, output shapes), so
-    a compiled program pickles with it; ``record_fallback`` is bound by whoever loads it."""
+    a compiled program pickles with it; a step that leaves the fast path is counted by the running
+    program's env (compilation/program_env.py)."""
 
     def __init__(self, run: Callable[..., Any], region: GraphModule, index: str, rows: sympy.Symbol,
-                 reduced_rows: sympy.Expr, record_fallback: Callable[[str], None]):
+                 reduced_rows: sympy.Expr):
         self.run = run
-        self._record = record_fallback  # counts (and logs) a step that leaves the fast path
         inputs = placeholders(region)
         self.index_position = next(i for i, n in enumerate(inputs) if n.name == index)
         self.sources = size_sources(inputs)
@@ -58,15 +59,6 @@ class StepGate:
         self.output_shapes = [tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in n.meta["val"].shape)
                               for n in nodes]
         self.output_dtypes = [n.meta["val"].dtype for n in nodes]
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_record"}
-
-    def bind(self, record_fallback: Callable[[str], None], recorder: Any = None) -> None:
-        """Count fallbacks with ``record_fallback`` (and bind the region it gates)."""
-        self._record = record_fallback
-        if hasattr(self.run, "bind"):
-            self.run.bind(record_fallback, recorder)
 
     def _row_axis(self, node: Node) -> int:
         """The dim of a reduced-region output that holds the logits rows."""
@@ -92,7 +84,7 @@ class StepGate:
         plan = step.reduced if step is not None and step.reduced is not None else \
             plan_reduced_region(step, index.shape[0], num_tokens)
         if plan.fallback is not None:
-            self._record(plan.fallback)
+            program_env.current().record_fallback(plan.fallback)
         if plan.mode == REDUCED_LOGITS_ROWS:
             return self.run(*args)
         if plan.mode == REDUCED_SKIP:
@@ -118,21 +110,17 @@ class StepGate:
 
 class CompiledProgram:
     """The backend's compiled callable (boxed): the split graph with its regions swapped in (or,
-    for a graph compiled unchanged, the one compiled graph). It pickles: what it holds at run time
-    (the fallback counter, the CUDA-graph recorder) is given again by :meth:`bind` after a load.
+    for a graph compiled unchanged, the one compiled graph). Plain data: it pickles whole, and
+    what it needs at run time (the fallback sink, the graphs it records) comes from the env of
+    the call (compilation/program_env.py).
 
     ``copy_outputs``: with CUDA graphs, outputs are views of memory the next call rewrites."""
 
     _boxed_call = True
 
-    def __init__(self, split: Callable[..., Any], copy_outputs: bool = False, parts: list | None = None):
+    def __init__(self, split: Callable[..., Any], copy_outputs: bool = False):
         self.split = split
         self.copy_outputs = copy_outputs
-        self.parts = parts or []  # the gates and piecewise regions inside, bound on load
-
-    def bind(self, record_fallback: Callable[[str], None], recorder: Any = None) -> None:
-        for part in self.parts:
-            part.bind(record_fallback, recorder)
 
     def __call__(self, args: list) -> list:
         inputs = tuple(args)

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..compilation import precompiled
 from ..compilation.dynamic_shapes import compile_for_varying_sizes, varying_sizes
+from ..compilation.program_env import recording_with
 from ..fallbacks import FallbackCounter
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
 from ..ops.kv_cache import KVCache
@@ -70,12 +71,16 @@ class Runner:
     next process, which then starts without tracing or compiling (compilation/precompiled.py):
     True for a folder in Inductor's cache folder, or a folder of your own. ``precompiled`` is then
     the saved path (what it loaded and compiled).
+
+    ``graph_recorder``: records the graphs (whole-step and the regions' pieces) in place of CUDA
+    graphs (compilation/cudagraphs.py: ``Recorder``; tests' stand-in on the CPU).
     """
 
     def __init__(self, model: nn.Module, *, backend: Any = None, max_num_tokens: int, max_model_len: int = 4096,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_num_seqs: int = 8,
                  logits_pad_sizes: Sequence[int] | None = None, token_pad_sizes: Sequence[int] | None = None,
-                 whole_step_sizes: Sequence[int] | None = None, precompile: bool | str | os.PathLike = False):
+                 whole_step_sizes: Sequence[int] | None = None, precompile: bool | str | os.PathLike = False,
+                 graph_recorder: Any = None):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
         if not isinstance(max_model_len, int) or max_model_len < 1:
@@ -96,7 +101,7 @@ class Runner:
         elif self.backend is None and token_pad_sizes:
             raise ValueError("token_pad_sizes needs a compiled model (backend=...): eager steps are not padded")
         self.token_pad_sizes = check_sizes("token_pad_sizes", token_pad_sizes, max_num_tokens)
-        self._recorder = self._graph_recorder()
+        self._recorder = self._graph_recorder(graph_recorder)
         if whole_step_sizes is None:
             largest = pad_to_bucket(max_num_seqs, self.token_pad_sizes)
             whole_step_sizes = [n for n in self.token_pad_sizes if n <= largest] if self._recorder is not None else []
@@ -142,12 +147,11 @@ class Runner:
             self.whole_step_graphs = WholeStepGraphs(self._forward_step, self.kv_cache, self.whole_step_sizes,
                                                      self._recorder, self._record_fallback, self._next_step_id)
 
-    def _graph_recorder(self) -> Any:
-        """What records whole-step graphs: the backend's stand-in recorder (tests), CUDA graphs on
-        CUDA, or None (no graphs)."""
+    def _graph_recorder(self, recorder: Any) -> Any:
+        """What records the graphs: the recorder given (tests' stand-in), CUDA graphs on CUDA, or
+        None (no graphs)."""
         if not self.cudagraphs:
             return None
-        recorder = getattr(self.backend, "graph_recorder", None)
         if recorder is not None:
             return recorder
         if self.device.type != "cuda":
@@ -175,7 +179,7 @@ class Runner:
 
     def _forward_step(self, meta: StepMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
                       logits_indices: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad(), step_context(meta), varying_sizes(), cheap_guards():
+        with torch.no_grad(), step_context(meta), varying_sizes(), cheap_guards(), recording_with(self._recorder):
             return self._forward(input_ids, positions, logits_indices)
 
     @staticmethod

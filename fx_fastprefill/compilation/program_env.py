@@ -1,0 +1,77 @@
+"""What a compiled program reads, at run time, from whoever runs it: where its fallbacks are
+counted, what records its graphs, and the graphs it has recorded.
+
+A compiled program (compilation/regions.py, cudagraphs.py) is plain data: it pickles whole and
+runs as loaded, with nothing bound into it afterwards. Its run-time state lives here instead:
+
+- :class:`ProgramEnv`: the fallback sink and each region's graph state, owned by the
+  ``ProgramCode`` that holds the program (one per compiled or loaded program), which sets it
+  around every call (:func:`running`), as the step contract reaches the ops (ops/step_context.py);
+- the recorder (:func:`recording_with`): set by whoever runs the model, the Runner or a test's
+  stand-in for CUDA graphs on the CPU. It is not a compile option and not in any cache key: it
+  says how graphs are recorded, not what is compiled.
+
+A program called outside any env (a test calling it directly) counts into :data:`UNOWNED`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
+
+from ..fallbacks import FallbackCounter
+
+
+class ProgramEnv:
+    """One program's run-time side: ``record_fallback`` counts (and logs) each step that leaves a
+    fast path; :meth:`state_of` keeps each region's graph state for as long as the region lives."""
+
+    def __init__(self, record_fallback: Callable[[str], None]):
+        self.record_fallback = record_fallback
+        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def state_of(self, part: Any, make: Callable[["ProgramEnv"], Any]) -> Any:
+        """``part``'s state, made by ``make(self)`` on its first call under this env."""
+        state = self._states.get(part)
+        if state is None:
+            state = self._states[part] = make(self)
+        return state
+
+
+UNOWNED_FALLBACKS = FallbackCounter()
+UNOWNED = ProgramEnv(UNOWNED_FALLBACKS.record)
+_ENV: ContextVar[ProgramEnv | None] = ContextVar("fx_fastprefill_program_env", default=None)
+_RECORDER: ContextVar[Any] = ContextVar("fx_fastprefill_graph_recorder", default=None)
+
+
+def current() -> ProgramEnv:
+    """The env of the program running now (:data:`UNOWNED` outside any)."""
+    return _ENV.get() or UNOWNED
+
+
+@contextlib.contextmanager
+def running(env: ProgramEnv) -> Iterator[None]:
+    """Within: the program's parts read ``env``."""
+    token = _ENV.set(env)
+    try:
+        yield
+    finally:
+        _ENV.reset(token)
+
+
+def recorder() -> Any:
+    """The recorder set by :func:`recording_with`, or None (CUDA graphs, on CUDA inputs)."""
+    return _RECORDER.get()
+
+
+@contextlib.contextmanager
+def recording_with(graph_recorder: Any) -> Iterator[None]:
+    """Within: graphs are recorded by ``graph_recorder`` (compilation/cudagraphs.py: ``Recorder``),
+    and a graph on non-CUDA inputs is compiled to record with it (tests' stand-in on the CPU)."""
+    token = _RECORDER.set(graph_recorder)
+    try:
+        yield
+    finally:
+        _RECORDER.reset(token)

@@ -78,7 +78,7 @@ def test_a_built_wheel_installs_the_passes_as_fx_fastprefill_passes(tmp_path):
 # The layers, bottom up: a module imports only modules of its own layer or below (docs/design.md,
 # "Layout"). Keys are package-relative module paths; the longest matching prefix decides.
 LAYERS = {
-    "fallbacks": 0, "logs": 0, "torch_seams": 0,
+    "fallbacks": 0, "logs": 0, "torch_seams": 0, "vocabulary": 0,
     "ops": 1,
     "passes": 2,
     "report": 3,

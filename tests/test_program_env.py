@@ -56,3 +56,16 @@ def test_the_recorder_is_not_a_compile_option_and_not_in_the_cache_key():
     assert FastPrefillBackend(cudagraphs=True).cache_tag == FastPrefillBackend(cudagraphs=True).cache_tag
     with pytest.raises(TypeError, match="graph_recorder"):
         FastPrefillBackend(cudagraphs=True, graph_recorder=object())
+
+
+def test_the_mode_vocabularies_read_as_their_strings():
+    import collections
+    import json
+
+    from fx_fastprefill.compilation import graph_lifecycle
+    from fx_fastprefill.ops.step_context import GRAPH_MODES, WHOLE_STEP, ReducedMode
+    counts = collections.Counter({WHOLE_STEP: 2})
+    assert counts["whole_step"] == 2 and repr(counts) == "Counter({'whole_step': 2})"
+    assert json.dumps(counts) == '{"whole_step": 2}' and f"{ReducedMode.SKIP}" == "skip"
+    assert [str(m) for m in GRAPH_MODES] == ["whole_step", "piecewise", "eager"]
+    assert graph_lifecycle.REPLAY == "replay" and graph_lifecycle.GraphAction("record") is graph_lifecycle.RECORD

@@ -48,7 +48,9 @@ from .compile_graph import BoxedFn, GraphCode, compile_boxed, returns_tuple, swa
 
 log = logging.getLogger("fx_fastprefill")
 
-PLAIN, RECORD, REPLAY = "plain", "record", "replay"  # what the pieces do in the current call
+# What the pieces do in the current call: the region's action for its key (RECORD, REPLAY; the
+# others run the pieces as compiled).
+RECORD, REPLAY, NO_GRAPH = lifecycle.RECORD, lifecycle.REPLAY, lifecycle.NO_GRAPH
 
 
 def non_owning(t: Tensor) -> Tensor:
@@ -148,7 +150,7 @@ class _RegionState:
     recorder: Recorder
     keys: lifecycle.KeyedGraphLifecycle
     record_fallback: Callable[[str], None]
-    mode: str = PLAIN
+    mode: lifecycle.GraphAction = NO_GRAPH
     key: tuple = ()
     pool: Any = None
     staging: StagingBuffers = field(default_factory=StagingBuffers)
@@ -171,7 +173,7 @@ class CUDAGraphPiece:
 
     def __call__(self, *args: Any) -> Any:
         state = _ACTIVE.get()
-        mode = PLAIN if state is None else state.mode
+        mode = NO_GRAPH if state is None else state.mode
         if mode == REPLAY:
             outputs = self._replay(state.recorded[self.index][state.key], args)
         elif mode == RECORD:
@@ -297,14 +299,11 @@ class PiecewiseRegion:
         step = current_step()
         if step is not None and step.graph_mode == WHOLE_STEP:
             # Inside a whole-step graph (recording it, or warming it up): no graphs of our own.
-            state.mode = PLAIN
+            state.mode = NO_GRAPH
             return self.split(*args)
         key, action = self._state(state, args)
-        state.key = key
-        if action == lifecycle.REPLAY:
-            state.mode = REPLAY
-        elif action == lifecycle.RECORD:
-            state.mode = RECORD
+        state.key, state.mode = key, action
+        if action == RECORD:
             # Read in place, like values the pieces produce: parameters, and views of them that a
             # views-only piece makes (a weight's transpose).
             state.produced.update(_storage(args[i]) for i in self.static_positions if isinstance(args[i], Tensor))
@@ -316,11 +315,9 @@ class PiecewiseRegion:
                 log.warning("recording the CUDA graphs of a region failed for sizes %s: %s", key, e,
                             exc_info=not state.keys.failures)
                 state.keys.failed(key)
-                state.mode = PLAIN
+                state.mode = NO_GRAPH
             finally:
                 state.produced.clear()
-        else:
-            state.mode = PLAIN
         return self.split(*args)
 
     def _output(self, out: Any) -> Any:
@@ -330,7 +327,7 @@ class PiecewiseRegion:
             return tuple(o.clone() if isinstance(o, Tensor) else o for o in out)
         return out.clone() if isinstance(out, Tensor) else out
 
-    def _state(self, state: _RegionState, args: tuple) -> tuple[tuple, str]:
+    def _state(self, state: _RegionState, args: tuple) -> tuple[tuple, lifecycle.GraphAction]:
         """This call's key and what to do for it (graph_lifecycle.py: warm up, record, replay, or run
         without graphs)."""
         ptrs = [args[i].data_ptr() if isinstance(args[i], Tensor) else None for i in self.static_positions]

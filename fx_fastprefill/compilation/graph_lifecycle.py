@@ -12,8 +12,29 @@ from __future__ import annotations
 
 from typing import Callable, Hashable
 
-WARM_UP, RECORD, REPLAY, NO_GRAPH = "warm_up", "record", "replay", "no_graph"
-_WARMED, _RECORDED, _FAILED = "warmed", "recorded", "failed"
+from ..vocabulary import Vocabulary
+
+
+class GraphAction(Vocabulary):
+    """What a call does with its key's graph: the one vocabulary of the pieces' and the whole-step
+    graphs' record and replay. WARM_UP and NO_GRAPH run without a graph."""
+    WARM_UP = "warm_up"
+    RECORD = "record"
+    REPLAY = "replay"
+    NO_GRAPH = "no_graph"
+
+
+WARM_UP, RECORD, REPLAY, NO_GRAPH = GraphAction.WARM_UP, GraphAction.RECORD, GraphAction.REPLAY, GraphAction.NO_GRAPH
+
+
+class KeyState(Vocabulary):
+    """Where a key stands."""
+    WARMED = "warmed"
+    RECORDED = "recorded"
+    FAILED = "failed"
+
+
+_WARMED, _RECORDED, _FAILED = KeyState.WARMED, KeyState.RECORDED, KeyState.FAILED
 
 
 class KeyedGraphLifecycle:
@@ -22,10 +43,10 @@ class KeyedGraphLifecycle:
     def __init__(self, record_fallback: Callable[[str], None], warmup_reason: str, failed_reason: str):
         self.record_fallback = record_fallback
         self.warmup_reason, self.failed_reason = warmup_reason, failed_reason
-        self.states: dict[Hashable, str] = {}
+        self.states: dict[Hashable, KeyState] = {}
         self.failures = 0
 
-    def action(self, key: Hashable) -> str:
+    def action(self, key: Hashable) -> GraphAction:
         """WARM_UP (the key's first call), RECORD (its second), REPLAY, or NO_GRAPH (it failed)."""
         state = self.states.get(key)
         if state is None:

@@ -14,28 +14,36 @@ from typing import Any, Callable, Hashable, Iterator, TypeVar
 import torch
 
 from .. import fallbacks as reasons
+from ..vocabulary import Vocabulary
 from .kv_cache import KVCache
 
 T = TypeVar("T")
 
-# A step's graph mode, decided once by the Runner and obeyed by the regions, the pieces and the
-# attention op (never re-derived from the step's other fields).
-WHOLE_STEP = "whole_step"  # recorded into, replayed as or warming up one whole-step CUDA graph
-PIECEWISE = "piecewise"    # the compiled model's regions (with their piecewise CUDA graphs, if any)
-EAGER = "eager"            # the model run as it is (no backend)
-GRAPH_MODES = (WHOLE_STEP, PIECEWISE, EAGER)
+class GraphMode(Vocabulary):
+    """A step's graph mode, decided once by the Runner and obeyed by the regions, the pieces and
+    the attention op (never re-derived from the step's other fields)."""
+    WHOLE_STEP = "whole_step"  # recorded into, replayed as or warming up one whole-step CUDA graph
+    PIECEWISE = "piecewise"    # the compiled model's regions (with their piecewise CUDA graphs, if any)
+    EAGER = "eager"            # the model run as it is (no backend)
 
-# What a cut graph's reduced region does in a step, decided once per step (plan_reduced_region)
-# and obeyed by its gate (compilation/regions.py: StepGate).
-REDUCED_SKIP = "skip"                # no logits rows: not run, its outputs empty
-REDUCED_ALL_ROWS = "all_rows"        # run on every row, the logits rows selected after it
-REDUCED_LOGITS_ROWS = "logits_rows"  # run on the rows it is given (the fast path)
+
+class ReducedMode(Vocabulary):
+    """What a cut graph's reduced region does in a step, decided once per step
+    (plan_reduced_region) and obeyed by its gate (compilation/regions.py: StepGate)."""
+    SKIP = "skip"                # no logits rows: not run, its outputs empty
+    ALL_ROWS = "all_rows"        # run on every row, the logits rows selected after it
+    LOGITS_ROWS = "logits_rows"  # run on the rows it is given (the fast path)
+
+
+WHOLE_STEP, PIECEWISE, EAGER = GraphMode.WHOLE_STEP, GraphMode.PIECEWISE, GraphMode.EAGER
+GRAPH_MODES = tuple(GraphMode)
+REDUCED_SKIP, REDUCED_ALL_ROWS, REDUCED_LOGITS_ROWS = ReducedMode.SKIP, ReducedMode.ALL_ROWS, ReducedMode.LOGITS_ROWS
 
 
 @dataclass(frozen=True)
 class ReducedPlan:
     """The reduced region's mode in a step, and the fallback counted for it (None: not one)."""
-    mode: str
+    mode: ReducedMode
     fallback: str | None = None
 
 
@@ -76,7 +84,7 @@ class StepMetadata:
     logits_rows: list[int] | None = None
     # How the step runs (GRAPH_MODES). A whole-step graph's key is its padded row count, the step's
     # size; piecewise regions key their graphs by their inputs' sizes.
-    graph_mode: str = PIECEWISE
+    graph_mode: GraphMode = PIECEWISE
     # A whole-step graph's rows' metadata on the device. The host lists above then describe only the
     # recording call.
     decode_rows: DecodeRows | None = None
@@ -88,7 +96,7 @@ class StepMetadata:
 
     def __post_init__(self) -> None:
         if self.graph_mode not in GRAPH_MODES:
-            raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {self.graph_mode!r}")
+            raise ValueError(f"graph_mode must be one of {[str(m) for m in GRAPH_MODES]}, got {self.graph_mode!r}")
         if (self.graph_mode == WHOLE_STEP) != (self.decode_rows is not None):
             raise ValueError("a whole-step graph step carries its rows' device metadata (decode_rows), no other does")
 

@@ -21,7 +21,6 @@ import torch
 import torch._functorch.config as functorch_config  # noqa: F401  AOTAutograd's cache switches
 import torch.fx.experimental._config as fx_config  # noqa: F401  duck shaping, size-oblivious reasoning
 from torch._guards import TracingContext, tracing  # Inductor compiles one graph per tracing context
-from torch._ops import OpOverload  # noqa: F401  an aten or custom op with a schema (FX node targets)
 
 
 def __getattr__(name: str) -> Any:

@@ -102,7 +102,10 @@ def test_the_fake_and_dispatch_seams():
         with torch_seams.no_dispatch_modes():
             real = torch.empty(2, 3)
     assert fake.fake_mode is mode and not hasattr(real, "fake_mode")
-    assert isinstance(torch.ops.aten.mm.default, torch_seams.OpOverload)
+    from fx_fastprefill.ops.schema import OpOverload
+    # The op-overload class read off a public op is the one custom ops are made of, and not the packet's.
+    assert isinstance(torch.ops.fx_fastprefill.attention.default, OpOverload)
+    assert not isinstance(torch.ops.aten.mm, OpOverload) and isinstance(torch.ops.aten.add.Tensor, OpOverload)
     assert torch_seams.static_input_indices() == []  # outside a compile: none
     assert hasattr(torch.ops.aten, "_flash_attention_forward")
     assert isinstance(torch_seams.non_owning_supported(), bool)

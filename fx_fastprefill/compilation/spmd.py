@@ -28,7 +28,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fx_fastprefill import torch_seams
-from fx_fastprefill.ops.schema import is_package_op
+from fx_fastprefill.ops.schema import OpOverload, is_package_op
 from fx_fastprefill.passes.split_regions import REDUCED, assign_regions
 
 log = logging.getLogger("fx_fastprefill")
@@ -39,7 +39,7 @@ UNCHANGED = "unchanged"  # the fingerprint of a graph compiled unchanged
 
 def _is_collective(node: Node) -> bool:
     target = node.target
-    return isinstance(target, torch_seams.OpOverload) and target.namespace == "_c10d_functional"
+    return isinstance(target, OpOverload) and target.namespace == "_c10d_functional"
 
 
 def collective_groups(gm: GraphModule) -> list[str]:

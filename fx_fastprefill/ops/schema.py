@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from .. import torch_seams
-
 NAMESPACE = "fx_fastprefill"
+# The class of an aten or custom op overload (an FX node's target with a schema), read off a public
+# op rather than imported from the private module that defines it.
+OpOverload = type(torch.ops.aten.mm.default)
 
 _SCHEMAS = {
     "attention": "(Tensor q, Tensor? k, Tensor? v, str layer, str? kv_source, SymInt? sliding_window, "
@@ -48,4 +49,4 @@ SDPA_Q, SDPA_K, SDPA_V, SDPA_MASK, SDPA_DROPOUT, SDPA_IS_CAUSAL, SDPA_SCALE, SDP
 def is_package_op(node: Node) -> bool:
     """A call of one of this package's ops (they read per-step host metadata: never inside a CUDA graph)."""
     target = node.target
-    return node.op == "call_function" and isinstance(target, torch_seams.OpOverload) and target.namespace == NAMESPACE
+    return node.op == "call_function" and isinstance(target, OpOverload) and target.namespace == NAMESPACE

@@ -31,6 +31,7 @@ from ..ops.step_context import (EAGER, PIECEWISE, WHOLE_STEP, StepMetadata, plan
 from .batch import (Request, SeqChunk, check_sizes, default_logits_indices, default_token_pad_sizes, pad_to_bucket,
                     padded_indices, power_of_two_buckets, step_tokens, validate_logits_indices, validate_step_tokens)
 from .dynamo_guards import cheap_guards
+from .requests import RequestTable
 from .scheduler import Scheduler
 from .whole_step_graphs import MAX_ROWS_PER_REQUEST, WholeStepGraphs
 
@@ -115,11 +116,10 @@ class Runner:
         self.precompiled: precompiled.PrecompiledFunction | None = None
         if folder is not None:
             self.precompiled = self._forward = self._precompiled_forward(folder)
-        self._requests: dict[int, Request] = {}
+        self.requests: RequestTable | None = None  # the live requests (made with the KV cache)
         self._step_id = 0
         self.step_counts: Counter[str] = Counter()  # steps by graph mode (ops/step_context.py: GRAPH_MODES)
         self.resize_kv_cache(max_num_seqs, max_model_len)
-        self._next_seq_id = 0
 
     def resize_kv_cache(self, max_num_seqs: int, max_model_len: int) -> None:
         """A new, empty KV cache for at most ``max_num_seqs`` requests of ``max_model_len`` tokens.
@@ -127,9 +127,9 @@ class Runner:
         The compiled model is kept (a benchmark sweeps shapes without recompiling); every request
         must have been freed first.
         """
-        if self._requests:
+        if self.requests:
             raise RuntimeError(
-                f"resize_kv_cache: requests {sorted(self._requests)} still hold the cache; free them first"
+                f"resize_kv_cache: requests {list(self.requests)} still hold the cache; free them first"
             )
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
@@ -142,6 +142,9 @@ class Runner:
         self.kv_cache = self.whole_step_graphs = None  # let the old arrays go before the new ones are allocated
         padding_slots = max([2, *self.token_pad_sizes, *self.whole_step_sizes]) if self.backend is not None else 0
         self.kv_cache = KVCache(max_num_seqs, max_model_len, self.device, self.dtype, padding_slots=padding_slots)
+        if self.requests is None:
+            self.requests = RequestTable(self.kv_cache)
+        self.requests.kv_cache = self.kv_cache  # empty (checked above): its ids count on
         self._padding = Request(-1, [], 0, self.kv_cache.padding_base) if self.backend is not None else None
         if self.whole_step_sizes:
             self.whole_step_graphs = WholeStepGraphs(self._forward_step, self.kv_cache, self.whole_step_sizes,
@@ -223,7 +226,7 @@ class Runner:
             seen.add(chunk.seq_id)
             if len(chunk.tokens) == 0:
                 raise ValueError(f"request {chunk.seq_id}: a chunk needs at least one token")
-            done = self._requests[chunk.seq_id].num_computed if chunk.seq_id in self._requests else 0
+            done = self.requests[chunk.seq_id].num_computed if chunk.seq_id in self.requests else 0
             if done + len(chunk.tokens) > self.max_model_len:
                 raise ValueError(
                     f"request {chunk.seq_id}: {done} cached + {len(chunk.tokens)} new tokens exceed "
@@ -236,17 +239,11 @@ class Runner:
         rows = default_logits_indices(chunks) if logits_indices is None else [int(r) for r in logits_indices]
         if logits_indices is not None:
             validate_logits_indices(rows, chunks)
-        new = [c.seq_id for c in chunks if c.seq_id not in self._requests]
-        if len(new) > self.kv_cache.free_regions:
-            raise RuntimeError(
-                f"{len(new)} new requests but only {self.kv_cache.free_regions} free KV cache regions (max_num_seqs)"
-            )
-        for seq_id in new:
-            self._requests[seq_id] = Request(seq_id, [], 0, self.kv_cache.allocate_region())
+        self.requests.admit_new([c.seq_id for c in chunks])
         return self._run(chunks, rows)
 
     def _run(self, chunks: Sequence[SeqChunk], rows: list[int]) -> torch.Tensor:
-        requests = [self._padding if c.seq_id == -1 and self._padding is not None else self._requests[c.seq_id]
+        requests = [self._padding if c.seq_id == -1 and self._padding is not None else self.requests[c.seq_id]
                     for c in chunks]
         num_tokens = sum(len(c.tokens) for c in chunks)
         if (self.whole_step_graphs is not None and len(rows) == num_tokens
@@ -308,8 +305,8 @@ class Runner:
         Returns the seconds it took."""
         if self.backend is None:
             raise ValueError("capture() needs a compiled model (backend=...)")
-        if self._requests:
-            raise RuntimeError(f"capture(): requests {sorted(self._requests)} are live; capture before serving")
+        if self.requests:
+            raise RuntimeError(f"capture(): requests {list(self.requests)} are live; capture before serving")
         steps = self.token_pad_sizes or [max(2, self.max_num_tokens)]
         start = time.perf_counter()
         first = (steps[-1], 1)
@@ -350,10 +347,7 @@ class Runner:
 
     def free(self, seq_id: int) -> None:
         """Release a request's KV cache region."""
-        request = self._requests.pop(seq_id, None)
-        if request is None:
-            raise KeyError(f"no live request {seq_id}")
-        self.kv_cache.free_region(request.slot_base)
+        self.requests.free(seq_id)
 
     # ----- whole requests (runtime/scheduler.py) -------------------------------------------------
 

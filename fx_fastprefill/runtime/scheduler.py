@@ -54,9 +54,7 @@ class Scheduler:
                 plan.append((request, tokens, 1))
             budget -= n
         while waiting and budget > 0 and self.runner.kv_cache.free_regions > 0:
-            request = waiting.pop(0)
-            request.slot_base = self.runner.kv_cache.allocate_region()
-            self.runner._requests[request.seq_id] = request
+            request = self.runner.requests.admit(waiting.pop(0))
             running.append(request)
             n = min(len(request.prompt), budget)
             plan.append((request, request.prompt[:n], 1 if n == len(request.prompt) else 0))
@@ -66,10 +64,7 @@ class Scheduler:
     def serve(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Request]:
         waiting = []
         for prompt in prompts:
-            while self.runner._next_seq_id in self.runner._requests:
-                self.runner._next_seq_id += 1
-            waiting.append(Request(self.runner._next_seq_id, list(prompt), max_new_tokens, -1))
-            self.runner._next_seq_id += 1
+            waiting.append(Request(self.runner.requests.new_id(), list(prompt), max_new_tokens, -1))
         finished, running = list(waiting), []
         while waiting or running:
             plan = self.schedule(waiting, running)

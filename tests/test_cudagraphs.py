@@ -250,3 +250,27 @@ def test_after_capture_no_step_warms_up_with_or_without_the_pass(fast_prefill):
     runner.step([SeqChunk(20, list(range(1, 40)), 1), SeqChunk(21, [3, 4, 5], 3)])  # (T, R) = (64, 4)
     runner.step([SeqChunk(22, list(range(1, 9)), 8)])                                 # (16, 8)
     assert backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP] == warm_ups, dict(backend.fallbacks)
+
+
+def test_capture_asks_the_program_how_it_keys_its_graphs_not_the_shared_backends_latest_report():
+    """One backend compiles a cut model, then a model it leaves unchanged (its latest report): the
+    cut model's capture still records its T and R apart, and no step of it warms up afterwards."""
+    from tests.test_not_cut import Variant
+    backend = FastPrefillBackend(compiler="eager", cudagraphs=True)
+    cut = fx_fastprefill.Runner(small_model(), backend=backend, max_num_tokens=64, max_model_len=96,
+                                token_pad_sizes=[16, 32, 64], graph_recorder=RerunRecorder())
+    cut.step([SeqChunk(0, list(range(1, 9)), 1)])
+    cut.free(0)
+    other = fx_fastprefill.Runner(Variant("row_mixing_after_last_layer"), backend=backend, max_num_tokens=16, max_model_len=32,
+                                  token_pad_sizes=[16], graph_recorder=RerunRecorder())
+    other.step([SeqChunk(0, [1, 2, 3])])
+    assert backend.reports[-1].cudagraphs and not backend.reports[-1].cut  # the latest report is the other's
+    recorded = []
+    record_size = cut._record_size
+    cut._record_size = lambda t, r: recorded.append((t, r)) or record_size(t, r)
+    cut.capture(progress=False)
+    assert recorded == cut._capture_sizes([16, 32, 64], keyed_together=False)  # T and R apart, not every pair
+    warm_ups = backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP]
+    cut.step([SeqChunk(20, list(range(1, 40)), 1), SeqChunk(21, [3, 4, 5], 3)])
+    cut.step([SeqChunk(22, list(range(1, 9)), 8)])
+    assert backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP] == warm_ups, dict(backend.fallbacks)

@@ -35,7 +35,7 @@ from .compile_graph import (COMPILERS, BoxedGraph, GraphCode, Submodule, compile
                             swap_submodule)
 from .cudagraphs import PiecewiseRegion, non_owning_supported
 from .program_cache import ProgramCode
-from .program_env import ProgramEnv
+from .program_env import GraphKeys, ProgramEnv
 from .regions import CompiledProgram, StepGate
 
 log = logging.getLogger("fx_fastprefill")
@@ -224,7 +224,8 @@ class FastPrefillBackend:
         else:
             log.info("compiled a graph with %d attention layers\n%s", len(ctx.layers), report.summary())
         groups = spmd.collective_groups(ctx.unchanged or gm)
-        return ProgramCode(program, report, groups, spmd.fingerprint(ctx.gm, ctx.declined), record_fallback)
+        keys = GraphKeys.NONE if not cudagraphs else GraphKeys.TOGETHER if ctx.declined else GraphKeys.APART
+        return ProgramCode(program, report, groups, spmd.fingerprint(ctx.gm, ctx.declined), record_fallback, keys)
 
     def _graphs_recordable(self, example_inputs: Sequence[Any], record_fallback: Callable[[str], None]) -> bool:
         """CUDA graphs need Inductor's pieces and CUDA inputs, unless a recorder of the caller's

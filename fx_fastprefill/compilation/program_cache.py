@@ -79,7 +79,8 @@ class ProgramCode(OutputCode):
     """What the backend returns to AOTAutograd: a program that runs, and pickles into its cache."""
 
     def __init__(self, program: CompiledProgram, report: FastPrefillReport, groups: list[str], fingerprint: str,
-                 record_fallback: Callable[[str], None] | None = None):
+                 record_fallback: Callable[[str], None] | None = None,
+                 graph_keys: program_env.GraphKeys = program_env.GraphKeys.NONE):
         self._boxed_call = True  # on the instance: AOT's wrappers copy the instance's __dict__, not the class's
         self.program: CompiledProgram | None = program
         self.report: FastPrefillReport | None = report
@@ -93,9 +94,10 @@ class ProgramCode(OutputCode):
         self.record_fallback = record_fallback  # the compiling backend's: counts a program that is not saved
         # What the program reads at run time (program_env.py); a loaded program gets its loader's.
         self.env: ProgramEnv | None = ProgramEnv(record_fallback or FallbackCounter().record)
+        self.graph_keys = graph_keys  # how its recorded graphs are keyed, declared to the caller (kept when saved)
 
     def __call__(self, inputs: list) -> list:
-        with program_env.running(self.env):
+        with program_env.running(self.env, self.graph_keys):
             return self.program(inputs)
 
     def prepare_for_serialization(self) -> None:

@@ -22,6 +22,15 @@ from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
 from ..fallbacks import FallbackCounter
+from ..vocabulary import Vocabulary
+
+
+class GraphKeys(Vocabulary):
+    """How a program keys the graphs it records, which a caller recording every size must know
+    (the Runner's ``capture``): the program declares it, the caller asks (:func:`declared_keys`)."""
+    APART = "apart"        # a cut program: the full region by the step's rows T, the reduced by R
+    TOGETHER = "together"  # compiled unchanged: one region keyed by (T, R)
+    NONE = "none"          # no graphs of its own
 
 
 class ProgramEnv:
@@ -44,6 +53,7 @@ UNOWNED_FALLBACKS = FallbackCounter()
 UNOWNED = ProgramEnv(UNOWNED_FALLBACKS.record)
 _ENV: ContextVar[ProgramEnv | None] = ContextVar("fx_fastprefill_program_env", default=None)
 _RECORDER: ContextVar[Any] = ContextVar("fx_fastprefill_graph_recorder", default=None)
+_DECLARED: ContextVar[list | None] = ContextVar("fx_fastprefill_declared_keys", default=None)
 
 
 def current() -> ProgramEnv:
@@ -52,13 +62,28 @@ def current() -> ProgramEnv:
 
 
 @contextlib.contextmanager
-def running(env: ProgramEnv) -> Iterator[None]:
-    """Within: the program's parts read ``env``."""
+def running(env: ProgramEnv, graph_keys: GraphKeys = GraphKeys.NONE) -> Iterator[None]:
+    """Within: the program's parts read ``env``; the program declares ``graph_keys`` to a caller
+    that asks (:func:`declared_keys`)."""
+    declared = _DECLARED.get()
+    if declared is not None:
+        declared.append(graph_keys)
     token = _ENV.set(env)
     try:
         yield
     finally:
         _ENV.reset(token)
+
+
+@contextlib.contextmanager
+def declared_keys() -> Iterator[list[GraphKeys]]:
+    """Within: each program that runs appends how it keys its graphs to the list yielded."""
+    declared: list[GraphKeys] = []
+    token = _DECLARED.set(declared)
+    try:
+        yield declared
+    finally:
+        _DECLARED.reset(token)
 
 
 def recorder() -> Any:

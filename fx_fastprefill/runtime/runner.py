@@ -22,7 +22,7 @@ from torch import nn
 
 from ..compilation import precompiled
 from ..compilation.dynamic_shapes import compile_for_varying_sizes, varying_sizes
-from ..compilation.program_env import recording_with
+from ..compilation.program_env import GraphKeys, declared_keys, recording_with
 from ..fallbacks import FallbackCounter
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
 from ..ops.kv_cache import KVCache
@@ -310,8 +310,9 @@ class Runner:
         steps = self.token_pad_sizes or [max(2, self.max_num_tokens)]
         start = time.perf_counter()
         first = (steps[-1], 1)
-        self._record_size(*first)  # compiles the graph: its report says how the program is keyed
-        jobs = [first] + [job for job in self._capture_sizes(steps) if job != first]
+        with declared_keys() as keys:
+            self._record_size(*first)  # compiles the graph, which declares how it keys its graphs
+        jobs = [first] + [job for job in self._capture_sizes(steps, GraphKeys.TOGETHER in keys) if job != first]
         for k, (num_tokens, num_logits) in enumerate(jobs):
             if k:
                 self._record_size(num_tokens, num_logits)
@@ -333,14 +334,14 @@ class Runner:
         for _ in range(2):  # the first call of a new size warms up, the second records
             self._run([SeqChunk(-1, [0] * num_tokens, num_logits)], list(range(num_tokens - num_logits, num_tokens)))
 
-    def _capture_sizes(self, steps: list[int]) -> list[tuple[int, int]]:
+    def _capture_sizes(self, steps: list[int], keyed_together: bool) -> list[tuple[int, int]]:
         """The (T, R) sizes to record. A cut program's graphs are keyed by T (full region) and by R
         (reduced region) apart: each T with one logits row, then each R once. A program compiled
         unchanged (``fast_prefill=False``, or a graph not cut) has one region keyed by (T, R)
         together: every pair a step can take (R a logits size up to T), or steps of an unrecorded
-        pair would run without graphs while serving."""
-        report = self.report
-        if report is not None and report.cudagraphs and not report.cut:
+        pair would run without graphs while serving. The program says which (program_env.GraphKeys),
+        not the backend's latest report, which may be another model's."""
+        if keyed_together:
             return [(t, r) for t in reversed(steps) for r in [r for r in self.logits_pad_sizes if r <= t] or [1]]
         jobs = [(size, 1) for size in reversed(steps)]
         return jobs + [(pad_to_bucket(r + 1, steps), r) for r in reversed(self.logits_pad_sizes) if 1 < r < steps[-1]]

@@ -261,8 +261,8 @@ def test_capture_asks_the_program_how_it_keys_its_graphs_not_the_shared_backends
                                 token_pad_sizes=[16, 32, 64], graph_recorder=RerunRecorder())
     cut.step([SeqChunk(0, list(range(1, 9)), 1)])
     cut.free(0)
-    other = fx_fastprefill.Runner(Variant("row_mixing_after_last_layer"), backend=backend, max_num_tokens=16, max_model_len=32,
-                                  token_pad_sizes=[16], graph_recorder=RerunRecorder())
+    other = fx_fastprefill.Runner(Variant("row_mixing_after_last_layer"), backend=backend, max_num_tokens=16,
+                                  max_model_len=32, token_pad_sizes=[16], graph_recorder=RerunRecorder())
     other.step([SeqChunk(0, [1, 2, 3])])
     assert backend.reports[-1].cudagraphs and not backend.reports[-1].cut  # the latest report is the other's
     recorded = []

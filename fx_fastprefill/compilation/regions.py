@@ -32,8 +32,8 @@ from torch.fx import GraphModule, Node
 
 from fx_fastprefill.passes.fx_utils import output_args, placeholders, size_sources
 
-from . import program_env
 from ..ops.step_context import REDUCED_LOGITS_ROWS, REDUCED_SKIP, current_step, plan_reduced_region
+from . import program_env
 
 
 class StepGate:

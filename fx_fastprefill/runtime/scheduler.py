@@ -53,7 +53,7 @@ class Scheduler:
                 n = 1
                 plan.append((request, tokens, 1))
             budget -= n
-        while waiting and budget > 0 and self.runner.kv_cache.free_regions > 0:
+        while waiting and budget > 0 and self.runner.requests.free_regions > 0:
             request = self.runner.requests.admit(waiting.pop(0))
             running.append(request)
             n = min(len(request.prompt), budget)

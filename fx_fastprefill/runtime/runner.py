@@ -103,6 +103,9 @@ class Runner:
             raise ValueError("token_pad_sizes needs a compiled model (backend=...): eager steps are not padded")
         self.token_pad_sizes = check_sizes("token_pad_sizes", token_pad_sizes, max_num_tokens)
         self._recorder = self._graph_recorder(graph_recorder)
+        # The regions record with the caller's recorder where one is given, else with CUDA graphs of
+        # their own; only a given one says that a non-CUDA graph or compiler="eager" records.
+        self._given_recorder = self._recorder if graph_recorder is not None else None
         if whole_step_sizes is None:
             largest = pad_to_bucket(max_num_seqs, self.token_pad_sizes)
             whole_step_sizes = [n for n in self.token_pad_sizes if n <= largest] if self._recorder is not None else []
@@ -182,7 +185,8 @@ class Runner:
 
     def _forward_step(self, meta: StepMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
                       logits_indices: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad(), step_context(meta), varying_sizes(), cheap_guards(), recording_with(self._recorder):
+        with torch.no_grad(), step_context(meta), varying_sizes(), cheap_guards(), \
+                recording_with(self._given_recorder):
             return self._forward(input_ids, positions, logits_indices)
 
     @staticmethod

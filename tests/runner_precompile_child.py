@@ -3,7 +3,9 @@ small flat model with piecewise graphs (the CPU stand-in recorder), captured, th
 tests/helpers.py (STEPS), compared with the model run without the pass or graphs; prints what was
 traced, loaded and compiled as JSON (the last line of stdout).
 
-    python -m tests.runner_precompile_child FOLDER [--weights-seed N]
+    python -m tests.runner_precompile_child FOLDER [--weights-seed N] [--cuda]
+
+``--cuda``: on the GPU with Inductor's pieces and real CUDA graphs (no stand-in).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("folder")
     parser.add_argument("--weights-seed", type=int, default=0, help="the model's random weights")
+    parser.add_argument("--cuda", action="store_true", help="real CUDA graphs of Inductor's pieces")
     args = parser.parse_args()
     import fx_fastprefill
     from fx_fastprefill.compilation.backend import FastPrefillBackend
@@ -28,10 +31,11 @@ def main() -> None:
     def runner(backend, **options):
         torch.manual_seed(args.weights_seed)
         model = Gemma3nLike(Config(n_layers=5, pattern=3, num_kv_shared_layers=2, sliding_window=5))
-        return fx_fastprefill.Runner(model, backend=backend, max_num_tokens=64, max_model_len=96, **options)
+        return fx_fastprefill.Runner(model, backend=backend, max_num_tokens=64, max_model_len=96,
+                                     device="cuda" if args.cuda else "cpu", **options)
 
-    recorder = RerunRecorder()
-    backend = FastPrefillBackend(compiler="eager", cudagraphs=True)
+    recorder = None if args.cuda else RerunRecorder()
+    backend = FastPrefillBackend(compiler="inductor" if args.cuda else "eager", cudagraphs=True)
     saved = runner(backend, precompile=args.folder, token_pad_sizes=[16, 48, 64], graph_recorder=recorder)
     saved.capture(progress=False)
     graphs = counters["stats"]["unique_graphs"]
@@ -42,7 +46,8 @@ def main() -> None:
     print(json.dumps({
         "graphs": graphs, "loaded": function.loaded, "compiled": function.compiled, "failed": function.failed,
         "max_abs_err": max((a - b).abs().max().item() for a, b in zip(logits, expected)),
-        "cut": saved.report.cut, "from_cache": saved.report.from_cache, "replays": recorder.replays,
+        "cut": saved.report.cut, "from_cache": saved.report.from_cache,
+        "replays": recorder.replays if recorder else None,
         "fallbacks": dict(backend.fallbacks),
     }))
 

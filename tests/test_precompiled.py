@@ -95,6 +95,24 @@ def test_a_warm_runner_loads_its_model_and_traces_nothing(tmp_path):
         assert run["max_abs_err"] < 1e-5, run
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_warm_runner_with_cuda_graphs_on_the_gpu_loads_its_program_saved_whole(tmp_path):
+    """The Runner with Inductor's pieces and real CUDA graphs: the cold process saves its program
+    (none of it unpicklable, nothing counted as not saved); the warm one loads it, traces nothing,
+    records its graphs again and computes what the model computes without the pass."""
+    folder = str(tmp_path / "precompiled")
+    cold = run_child("tests.runner_precompile_child", tmp_path / "cache", folder, "--cuda")
+    assert (cold["loaded"], cold["compiled"], cold["from_cache"]) == (0, 1, False), cold
+    warm = run_child("tests.runner_precompile_child", tmp_path / "cache", folder, "--weights-seed", "3", "--cuda")
+    assert (warm["loaded"], warm["compiled"], warm["graphs"], warm["failed"]) == (1, 0, 0, None), warm
+    assert warm["cut"] and warm["from_cache"], warm
+    for run in (cold, warm):
+        assert fallbacks.PROGRAM_NOT_SAVED not in run["fallbacks"], run
+        assert fallbacks.CUDAGRAPH_RECORD_FAILED not in run["fallbacks"], run
+        assert run["max_abs_err"] < 1e-4, run  # fp32, Inductor's pieces against eager
+
+
 def test_a_runner_precompiles_only_a_compiled_model(tmp_path):
     from examples.gemma3n import tiny
     with pytest.raises(ValueError, match="precompile needs a compiled model"):

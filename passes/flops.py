@@ -1,6 +1,9 @@
 """Estimated prefill FLOPs of a graph for one prompt of a stated length.
 
-Counts matrix products (mm, addmm, bmm) and attention; elementwise work is ignored. A causal
+Counts matrix products (mm, addmm, bmm: ``torch.utils.flop_counter``'s formulas) and attention;
+elementwise work is ignored. Attention is counted here, not by ``flop_counter``: its SDPA formula
+counts every query against every key (no causal mask, no window), and it has none for the
+package's own attention op, whose rows and window this count reads from the graph. A causal
 attention call over all rows sees sum(min(p + 1, window)) keys; in its query-subset form each of
 its R queries (the last rows of the prompt) sees min(L, window) keys. An sdpa call (transformers
 models) keeps its window in the mask, so it is counted as causal over all keys.
@@ -13,12 +16,16 @@ from __future__ import annotations
 import sympy
 import torch
 from torch.fx import GraphModule
+from torch.utils import flop_counter
 
 from fx_fastprefill.ops.schema import ATTENTION_OP, Q, QUERY_ROWS, SDPA_OP, SDPA_Q, SDPA_QUERY_SUFFIX, SLIDING_WINDOW
 
 from .token_layout import shape_exprs
 
 aten = torch.ops.aten
+# A matrix product's FLOPs from its operands' shapes, as torch's FLOP counter computes them.
+_MATMUL_FLOPS = {aten.mm.default: flop_counter.mm_flop, aten.addmm.default: flop_counter.addmm_flop,
+                 aten.bmm.default: flop_counter.bmm_flop}
 
 
 def _evaluate(expr: sympy.Expr, values: dict) -> int:
@@ -36,12 +43,10 @@ def estimate_flops(gm: GraphModule, rows: sympy.Expr, reduced_rows: sympy.Expr, 
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default):
-            a, b = node.args[-2], node.args[-1]
-            sa = [_evaluate(e, values) for e in shape_exprs(a.meta["val"])]
-            sb = [_evaluate(e, values) for e in shape_exprs(b.meta["val"])]
-            batch = sa[0] if len(sa) == 3 else 1
-            total += 2 * batch * sa[-2] * sa[-1] * sb[-1]
+        if node.target in _MATMUL_FLOPS:
+            operands = [a for a in node.args if isinstance(a, torch.fx.Node)]  # (bias,) a, b
+            shapes = [[_evaluate(e, values) for e in shape_exprs(a.meta["val"])] for a in operands]
+            total += _MATMUL_FLOPS[node.target](*shapes)
         elif node.target is ATTENTION_OP:
             q = [_evaluate(e, values) for e in shape_exprs(node.args[Q].meta["val"])]
             window = node.args[SLIDING_WINDOW] or prompt_len

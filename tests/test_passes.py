@@ -204,3 +204,21 @@ def test_a_size_read_off_a_region_tensor_needs_none_of_its_rows():
             for n in gm.graph.nodes if n.op == "placeholder"]
     for got, want in zip(gm(*args), sized(x, idx, w)):
         torch.testing.assert_close(got, want)
+
+
+def test_matrix_product_flops_are_the_flop_counters():
+    """Without attention, the estimate is what torch.utils.flop_counter counts on a real run."""
+    import sympy
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fx_fastprefill.passes.flops import estimate_flops
+
+    def f(x, w, b, y):
+        return torch.addmm(b, x, w).relu() @ w.t(), torch.bmm(y, y.transpose(1, 2))
+
+    args = (torch.randn(8, 16), torch.randn(16, 16), torch.randn(16), torch.randn(3, 8, 5))
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    with FlopCounterMode(display=False) as counter:
+        f(*args)
+    assert estimate_flops(gm, sympy.Integer(8), sympy.Integer(1), 8) == counter.get_total_flops() > 0

@@ -15,7 +15,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from .requests import RequestTable
 from .scheduler import Scheduler
 from .whole_step_graphs import MAX_ROWS_PER_REQUEST, WholeStepGraphs
 
+if TYPE_CHECKING:
+    from ..compilation.backend import FastPrefillBackend
+
 log = logging.getLogger("fx_fastprefill")
 
 
@@ -50,6 +53,14 @@ def vocab_size_of(model: nn.Module) -> int | None:
         if isinstance(module, nn.Embedding):
             return module.num_embeddings
     return None
+
+
+def package_backend(backend: Any) -> FastPrefillBackend | None:
+    """``backend`` where it is this package's ``FastPrefillBackend`` (its CUDA-graph option, cache
+    tag, loader, reports and fallbacks are what the Runner reads), else None. Its module is looked
+    up, not imported: a backend of that class exists only once it is loaded."""
+    module = sys.modules.get("fx_fastprefill.compilation.backend")
+    return backend if module is not None and isinstance(backend, module.FastPrefillBackend) else None
 
 
 class Runner:
@@ -96,7 +107,8 @@ class Runner:
             power_of_two_buckets(max_num_tokens) if logits_pad_sizes is None else sorted(logits_pad_sizes)
         )
         self.backend = self._resolve_backend(backend)
-        self.cudagraphs = bool(getattr(self.backend, "cudagraphs", False))
+        self._package = package_backend(self.backend)  # what the Runner reads of a backend: typed, or None
+        self.cudagraphs = self._package is not None and self._package.cudagraphs
         if token_pad_sizes is None:
             token_pad_sizes = default_token_pad_sizes(max_num_tokens) if self.cudagraphs and max_num_tokens >= 2 else []
         elif self.backend is None and token_pad_sizes:
@@ -168,11 +180,12 @@ class Runner:
     def _precompiled_forward(self, folder: Path) -> precompiled.PrecompiledFunction:
         """The model's forward through functions saved in ``folder``, with the compiled model as
         the fallback; keyed by the backend's cache tag (a backend named by a string: the name)."""
-        tag = self.backend if isinstance(self.backend, str) else getattr(self.backend, "cache_tag", None)
+        package = self._package
+        tag = self.backend if isinstance(self.backend, str) else package.cache_tag if package is not None else None
         return precompiled.PrecompiledFunction(
             self.model.forward, name="runner", folder=folder, options_key=repr(("runner", tag)),
             compile_options={"backend": self.backend, "dynamic": True}, fallback=self._forward,
-            record_fallback=self._record_fallback, loader=getattr(self.backend, "adopt_loaded", None),
+            record_fallback=self._record_fallback, loader=package.adopt_loaded if package is not None else None,
             keyable=tag is not None)
 
     def _record_fallback(self, reason: str) -> None:
@@ -201,13 +214,13 @@ class Runner:
     @property
     def report(self):
         """The latest fast-prefill report (None unless the backend is fx_fastprefill's)."""
-        reports = getattr(self.backend, "reports", None)
+        reports = self._package.reports if self._package is not None else None
         return reports[-1] if reports else None
 
     @property
     def fallbacks(self) -> FallbackCounter | None:
         """Runtime fallback counters of the fast-prefill backend, by reason."""
-        return getattr(self.backend, "fallbacks", None)
+        return self._package.fallbacks if self._package is not None else None
 
     # ----- one step ------------------------------------------------------------------------------
 

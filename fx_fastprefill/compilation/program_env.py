@@ -61,18 +61,24 @@ def current() -> ProgramEnv:
     return _ENV.get() or UNOWNED
 
 
-@contextlib.contextmanager
-def running(env: ProgramEnv, graph_keys: GraphKeys = GraphKeys.NONE) -> Iterator[None]:
+class running:
     """Within: the program's parts read ``env``; the program declares ``graph_keys`` to a caller
-    that asks (:func:`declared_keys`)."""
-    declared = _DECLARED.get()
-    if declared is not None:
-        declared.append(graph_keys)
-    token = _ENV.set(env)
-    try:
-        yield
-    finally:
-        _ENV.reset(token)
+    that asks (:func:`declared_keys`). A class, not a generator: it is entered on every call of
+    every compiled program."""
+
+    __slots__ = ("env", "graph_keys", "token")
+
+    def __init__(self, env: ProgramEnv, graph_keys: GraphKeys = GraphKeys.NONE):
+        self.env, self.graph_keys = env, graph_keys
+
+    def __enter__(self) -> None:
+        declared = _DECLARED.get()
+        if declared is not None:
+            declared.append(self.graph_keys)
+        self.token = _ENV.set(self.env)
+
+    def __exit__(self, *exc: object) -> None:
+        _ENV.reset(self.token)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,9 @@ PROGRAM_NOT_SAVED = "the compiled program could not be saved in the AOTAutograd 
 # entry): not loaded, the program is compiled again in this process.
 PROGRAM_DAMAGED = ("a compiled program in the AOTAutograd cache is damaged (its checksum does not match): not "
                    "loaded, compiled again")
+# Compile- or load-time: a file of Inductor's cache (a compiled graph's .py, a kernel's .so) did not load:
+# deleted and made again (compilation/damaged_files.py).
+COMPILED_FILE_DAMAGED = "a file of Inductor's cache did not load (damaged): deleted and made again"
 # Compile-time, compile_for_generate(precompile=...) and Runner(precompile=...): a path saved and loaded whole
 # (compilation/precompiled.py).
 PRECOMPILE_UNAVAILABLE = ("precompiling asked for, but this torch has no aot_compile, the backend's program cannot "

@@ -23,7 +23,7 @@ import torch
 
 import fx_fastprefill
 from fx_fastprefill import SeqChunk, fallbacks
-from fx_fastprefill.compilation import program_cache
+from fx_fastprefill.compilation import damaged_files, program_cache
 from fx_fastprefill.compilation.backend import FastPrefillBackend
 from fx_fastprefill.passes.pipeline import PIPELINE
 from tests.children import run_child
@@ -37,20 +37,48 @@ def _child(cache_dir: Path, *args: str) -> dict:
     return run_child("tests.program_cache_child", cache_dir, *args)
 
 
-def test_a_warm_process_loads_the_program_and_compiles_nothing(tmp_path):
+@pytest.fixture(scope="module")
+def cold_cache(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """One cold process's cache folder, its caches as torch's cache artifacts, and what it did."""
     pytest.importorskip("transformers")
-    cold = _child(tmp_path / "cache", "--save-artifacts", str(tmp_path / "artifacts.bin"))
+    root = tmp_path_factory.mktemp("cold")
+    cold = _child(root / "cache", "--save-artifacts", str(root / "artifacts.bin"))
+    return root / "cache", root / "artifacts.bin", cold
+
+
+def test_a_warm_process_loads_the_program_and_compiles_nothing(tmp_path, cold_cache):
+    cache, artifacts, cold = cold_cache
     # The caches shipped as torch's cache artifacts into an empty folder (a restart on another
     # machine), with other weights (the program reads the parameters). The same folder restarted
     # is the warm rank of the tensor-parallel test below and the precompiled restarts.
-    warm = _child(tmp_path / "other_machine", "--load-artifacts", str(tmp_path / "artifacts.bin"),
-                  "--weights-seed", "3")
+    warm = _child(tmp_path / "other_machine", "--load-artifacts", str(artifacts), "--weights-seed", "3")
     assert cold["aot"].get("autograd_cache_saved", 0) >= 1 and cold["inductor_graphs"] > 0, cold
     assert cold["cut"] and not cold["from_cache"], cold
     assert warm["aot"].get("autograd_cache_hit", 0) == 1 and warm["inductor_graphs"] == 0, warm
     assert warm["cut"] and warm["from_cache"] and warm["reduced_layers"] == cold["reduced_layers"], warm
+    assert warm["fallbacks"] == {}, warm
     for run in (cold, warm):
         assert run["max_abs_err"] <= 1e-5 * run["scale"], run  # fp32 against the model without the pass
+
+
+def test_a_truncated_output_code_file_is_deleted_and_made_again(tmp_path, cold_cache):
+    """Issue 42: every compiled graph's code file (``<key>.py``) in the cache cut short, as a full
+    disk or a killed writer leaves it. Before, each failed to import in every later process, the
+    cut regions failed to compile and the graph ran uncut. Now each is deleted and written again
+    from the compiled graph Inductor kept: the program loads from the cache, cut, counted once a file."""
+    cache, _, cold = cold_cache
+    shutil.copytree(cache, tmp_path / "cache")
+    code_files = [p for p in (tmp_path / "cache").glob("??/c*.py")]
+    assert code_files
+    for path in code_files:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    warm = _child(tmp_path / "cache")
+    assert warm["cut"] and warm["from_cache"] and warm["reduced_layers"] == cold["reduced_layers"], warm
+    assert warm["aot"].get("autograd_cache_hit", 0) == 1 and warm["inductor_graphs"] == 0, warm
+    assert warm["fallbacks"] == {fallbacks.COMPILED_FILE_DAMAGED: len(code_files)}, warm
+    assert warm["max_abs_err"] <= 1e-5 * warm["scale"], warm
+    for path in code_files:
+        assert path.read_bytes().endswith(b"\n") and compile(path.read_text(), str(path), "exec")
 
 
 def test_another_option_misses_the_program_it_would_otherwise_be_served(tmp_path, monkeypatch):
@@ -414,11 +442,11 @@ def test_a_program_whose_saved_bytes_changed_is_refused_and_counted():
     damaged[len(damaged) // 2] ^= 0x01
     code._pickled = bytes(damaged)
     counted = fallbacks.FallbackCounter()
-    with program_cache.caching("tag", lambda loaded: None, counted.record):
+    with program_cache.caching("tag", lambda loaded: None), damaged_files.counted_by(counted.record):
         with pytest.raises(program_cache.DamagedArtifact, match="sha256 does not match"):
             code.post_compile([], None, {})
     assert counted == {fallbacks.PROGRAM_DAMAGED: 1} and code.program is None
     code._pickled = sound
-    with program_cache.caching("tag", lambda loaded: None, counted.record):
+    with program_cache.caching("tag", lambda loaded: None), damaged_files.counted_by(counted.record):
         code.post_compile([], None, {})
     assert code.program == {"weights": [1.0, 2.0]} and counted == {fallbacks.PROGRAM_DAMAGED: 1}

@@ -30,7 +30,7 @@ from ..ops import sdpa as _sdpa_kernels  # noqa: F401
 from ..ops.attention import NO_BACKWARD
 from ..report.builder import build_report
 from ..report.report import ReportLog
-from . import program_cache, program_env, spmd
+from . import damaged_files, program_cache, program_env, spmd
 from .compile_graph import (COMPILERS, BoxedGraph, GraphCode, Submodule, compile_boxed, inductor, lowering,
                             swap_submodule)
 from .cudagraphs import PiecewiseRegion, non_owning_supported
@@ -156,10 +156,9 @@ class FastPrefillBackend:
         elif compiler is None or self.cache_tag is None:
             compiler = None
             self.fallbacks.record(fallback_reasons.NO_PROGRAM_CACHE)
-        caching = program_cache.caching(self.cache_tag, loaded, self.fallbacks.record) if compiler \
-            else contextlib.nullcontext()
+        caching = program_cache.caching(self.cache_tag, loaded) if compiler else contextlib.nullcontext()
         compiler = compiler or compile_program
-        with caching:
+        with caching, damaged_files.counted_by(self.fallbacks.record):
             compiled = torch_seams.aot_module_simplified(gm, example_inputs, fw_compiler=compiler,
                                                          inference_compiler=compiler,
                                                          decompositions=torch_seams.inductor_decompositions())

@@ -19,6 +19,7 @@ from torch.fx import GraphModule
 from fx_fastprefill.passes.small_contractions import rewrite_small_contractions
 
 from .. import torch_seams
+from .damaged_files import dropping_damaged_files
 from .dynamic_shapes import exact_size_reasoning
 from .importable import reference_to, resolve
 
@@ -50,10 +51,12 @@ def inductor(gm: GraphModule, example_inputs: Sequence, static_input_idxs: Seque
         if count:
             log.debug("%d small contractions of a graph computed as fused multiply-sums", count)
     # Inductor's own CUDA graphs off (the package records its own): it boxes the config's setting.
-    with torch_seams.tracing(torch_seams.TracingContext(_fake_mode(example_inputs))), exact_size_reasoning(), \
-            torch_seams.inductor_config.patch({"triton.cudagraphs": False}):
-        return torch_seams.compile_fx_inner(gm, list(example_inputs), is_inference=True,
-                                            static_input_idxs=list(static_input_idxs))
+    def compile_graph() -> Any:
+        with torch_seams.tracing(torch_seams.TracingContext(_fake_mode(example_inputs))), exact_size_reasoning(), \
+                torch_seams.inductor_config.patch({"triton.cudagraphs": False}):
+            return torch_seams.compile_fx_inner(gm, list(example_inputs), is_inference=True,
+                                                static_input_idxs=list(static_input_idxs))
+    return dropping_damaged_files(compile_graph, "compiling a graph")
 
 
 def _fake_mode(example_inputs: Sequence) -> Any:
@@ -157,7 +160,7 @@ def _reload(graph: Any) -> Any:
     """A deserialized ``CompiledFxGraph`` made callable again: its source written back to Inductor's
     code cache and loaded (what Inductor does on an FX-graph-cache hit), outside any tracing context
     (its output strides are not the enclosing graph's)."""
-    loaded = torch_seams.reload_compiled_graph(graph)
+    loaded = dropping_damaged_files(lambda: torch_seams.reload_compiled_graph(graph), "loading a cached program")
     if loaded is None:
         raise RuntimeError("a compiled graph of the cached program could not be reloaded from Inductor's code cache")
     return loaded

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import getpass
 import io
 import logging
 import os
@@ -48,6 +47,7 @@ import torch
 
 from .. import fallbacks, torch_seams
 from . import program_cache
+from .damaged_files import inductor_cache_dir
 from .importable import Reference, reference_to, resolve
 from .model_key import changed_sources, model_key, serializable_guards, traced_sources
 
@@ -71,15 +71,7 @@ def _ranks() -> int:
 def default_folder() -> Path:
     """Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``, else its default,
     ``<temp>/torchinductor_<user>``) / fx_fastprefill / precompiled."""
-    inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not inductor_cache:
-        try:
-            user = getpass.getuser()
-        except (KeyError, OSError, ModuleNotFoundError):  # no name for this uid (a bare container)
-            user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
-        user = "".join("_" if c in '\\/:*?"<>|' else c for c in user)
-        inductor_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
-    return Path(inductor_cache) / "fx_fastprefill" / "precompiled"
+    return inductor_cache_dir() / "fx_fastprefill" / "precompiled"
 
 
 def folder_for(precompile: bool | str | os.PathLike) -> Path | None:

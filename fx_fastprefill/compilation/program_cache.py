@@ -43,6 +43,7 @@ from ..report.report import FastPrefillReport
 from ..torch_seams import CustomGraphPass, OutputCode, SerializableAOTDispatchCompiler, functorch_config, \
     inductor_config, no_dispatch_modes
 from . import program_env
+from .damaged_files import record_damage
 from .program_env import ProgramEnv
 from .regions import CompiledProgram
 
@@ -52,9 +53,6 @@ log = logging.getLogger("fx_fastprefill")
 # Set by the backend while AOTAutograd runs: called with each ProgramCode loaded from the cache.
 LOADER: contextvars.ContextVar[Callable[["ProgramCode"], None] | None] = contextvars.ContextVar(
     "fx_fastprefill_program_loader", default=None)
-# Set with LOADER: counts a cached program found damaged.
-DAMAGE_SINK: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
-    "fx_fastprefill_program_damage", default=None)
 CHECKSUM_BYTES = 32  # sha256
 
 
@@ -123,9 +121,7 @@ class ProgramCode(OutputCode):
             except DamagedArtifact:  # AOTAutograd then compiles the graph again (a bypass of its cache)
                 log.warning("a compiled program in the AOTAutograd cache is damaged (checksum mismatch): "
                             "compiled again")
-                record = DAMAGE_SINK.get()
-                if record is not None:
-                    record(fallbacks.PROGRAM_DAMAGED)
+                record_damage(fallbacks.PROGRAM_DAMAGED)
                 raise
             with torch.compiler.config.patch(cache_key_tag=self.cache_key_tag), _real_tensors():
                 self.program, self.report = pickle.loads(payload)
@@ -280,16 +276,10 @@ def loading(loader: Callable[[ProgramCode], None] | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def caching(tag: str, loader: Callable[[ProgramCode], None],
-            record_fallback: Callable[[str], None] | None = None) -> Iterator[None]:
+def caching(tag: str, loader: Callable[[ProgramCode], None]) -> Iterator[None]:
     """Within: AOTAutograd bundles and serves programs keyed with ``tag`` (after any tag of the
-    user's own), hands each one it loads to ``loader``, and a damaged one's fallback to
-    ``record_fallback``."""
+    user's own), and hands each one it loads to ``loader``."""
     user_tag = torch.compiler.config.cache_key_tag
-    token = DAMAGE_SINK.set(record_fallback)
-    try:
-        with loading(loader), functorch_config.patch(bundled_autograd_cache=True), \
-                torch.compiler.config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag):
-            yield
-    finally:
-        DAMAGE_SINK.reset(token)
+    with loading(loader), functorch_config.patch(bundled_autograd_cache=True), \
+            torch.compiler.config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag):
+        yield

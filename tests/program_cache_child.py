@@ -41,7 +41,8 @@ def main() -> None:
     print(json.dumps({
         "aot": dict(counters["aot_autograd"]),
         "inductor_graphs": counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"],
-        "cut": report.cut, "from_cache": report.from_cache, "reason": report.reason, "fallbacks": dict(backend.fallbacks),
+        "cut": report.cut, "from_cache": report.from_cache, "reason": report.reason,
+        "fallbacks": dict(backend.fallbacks),
         "reduced_layers": report.reduced_layers,
         "max_abs_err": (logits - expected).abs().max().item(), "scale": expected.abs().max().item(),
     }))

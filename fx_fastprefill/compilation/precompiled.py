@@ -47,7 +47,7 @@ import torch
 
 from .. import fallbacks, torch_seams
 from . import program_cache
-from .damaged_files import inductor_cache_dir
+from .damaged_files import counted_by, inductor_cache_dir
 from .importable import Reference, reference_to, resolve
 from .model_key import changed_sources, model_key, serializable_guards, traced_sources
 
@@ -292,7 +292,7 @@ class PrecompiledFunction:
             f_globals = {**vars(builtins), **_traced_function(self.method).__globals__}
             f_globals.update({name: resolve(ref) for name, ref in saved["globals"].items()})
             stage = "rebuilding its guards and compiled program against this process's model and modules"
-            with program_cache.loading(self.loader):
+            with program_cache.loading(self.loader), counted_by(self.record_fallback):
                 function = torch.compiler.load_compiled_function(
                     io.BytesIO(saved["function"]), f_globals=f_globals, external_data=_closure_data(self.method))
         except Exception as e:  # noqa: BLE001 - a file that does not load is skipped: counted, logged

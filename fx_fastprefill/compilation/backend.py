@@ -33,7 +33,7 @@ from ..report.report import ReportLog
 from . import damaged_files, program_cache, program_env, spmd
 from .compile_graph import (COMPILERS, BoxedGraph, GraphCode, Submodule, compile_boxed, inductor, lowering,
                             swap_submodule)
-from .cudagraphs import PiecewiseRegion, non_owning_supported
+from .cudagraphs import PiecewiseRegion, non_owning_supported, recording_refusal
 from .program_cache import ProgramCode
 from .program_env import GraphKeys, ProgramEnv
 from .regions import CompiledProgram, StepGate
@@ -227,17 +227,13 @@ class FastPrefillBackend:
         return ProgramCode(program, report, groups, spmd.fingerprint(ctx.gm, ctx.declined), record_fallback, keys)
 
     def _graphs_recordable(self, example_inputs: Sequence[Any], record_fallback: Callable[[str], None]) -> bool:
-        """CUDA graphs need Inductor's pieces and CUDA inputs, unless a recorder of the caller's
-        records them (program_env.recording_with: tests' stand-in); else counted, and none are made."""
-        if program_env.recorder() is not None:
-            return True
-        if self.compiler != "inductor":
-            record_fallback(fallback_reasons.CUDAGRAPHS_NEED_INDUCTOR)
-            return False
-        if not any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
-            record_fallback(fallback_reasons.CUDAGRAPHS_NOT_CUDA)
-            return False
-        return True
+        """CUDA graphs for this graph, where cudagraphs.recording_refusal allows them; else counted,
+        and none are made."""
+        on_cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+        refusal = recording_refusal(self.compiler, on_cuda, program_env.recorder())
+        if refusal is not None:
+            record_fallback(refusal)
+        return refusal is None
 
     def _compile_cut(self, ctx: PassContext, static: set[Node], cudagraphs: bool) -> CompiledProgram:
         """The two regions compiled and swapped into the split graph, the reduced one behind the gate."""

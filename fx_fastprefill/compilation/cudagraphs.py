@@ -53,6 +53,20 @@ log = logging.getLogger("fx_fastprefill")
 RECORD, REPLAY, NO_GRAPH = lifecycle.RECORD, lifecycle.REPLAY, lifecycle.NO_GRAPH
 
 
+def recording_refusal(compiler: str, on_cuda: bool, recorder: Any) -> str | None:
+    """Why a program's graphs cannot be recorded (a fallback reason), or None where they can: they
+    record Inductor's pieces on CUDA, unless a recorder of the caller's (tests' stand-in) records
+    them. The one rule: the backend applies it to each graph it compiles, the Runner once, to
+    decide whether it records whole-step graphs."""
+    if recorder is not None:
+        return None
+    if compiler != "inductor":
+        return reasons.CUDAGRAPHS_NEED_INDUCTOR
+    if not on_cuda:
+        return reasons.CUDAGRAPHS_NOT_CUDA
+    return None
+
+
 def non_owning(t: Tensor) -> Tensor:
     """A tensor over ``t``'s memory that does not keep it allocated (what a graph's output becomes
     once its recording forward has ended: the graph, not the tensor, owns that memory)."""

@@ -60,6 +60,14 @@ class KeyedGraphLifecycle:
         self.record_fallback(self.failed_reason)
         return NO_GRAPH
 
+    def gave_up(self, key: Hashable) -> bool:
+        """Whether ``key``'s recording failed: its calls run without graphs, each one counted.
+        Asked before a call is planned (runtime/step_plan.py), so that it is planned the other way."""
+        if self.states.get(key) != _FAILED:
+            return False
+        self.record_fallback(self.failed_reason)
+        return True
+
     def recorded(self, key: Hashable) -> None:
         self.states[key] = _RECORDED
 

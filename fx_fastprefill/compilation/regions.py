@@ -80,9 +80,7 @@ class StepGate:
     def __call__(self, *args: Any) -> Any:
         index = args[self.index_position]
         num_tokens = self._size(self.rows, args)
-        step = current_step()
-        plan = step.reduced if step is not None and step.reduced is not None else \
-            plan_reduced_region(step, index.shape[0], num_tokens)
+        plan = plan_reduced_region(current_step(), index.shape[0], num_tokens)
         if plan.fallback is not None:
             program_env.current().record_fallback(plan.fallback)
         if plan.mode == REDUCED_LOGITS_ROWS:

@@ -129,16 +129,29 @@ class StepMetadata:
 
 def plan_reduced_region(step: StepMetadata | None, padded_rows: int, padded_tokens: int) -> ReducedPlan:
     """The reduced region's plan for a step of ``padded_tokens`` rows, ``padded_rows`` of them
-    passed as logits rows (what the compiled graph is called with)."""
-    if step is not None and step.graph_mode == WHOLE_STEP:
+    passed as logits rows (what the compiled graph is called with): the step's own plan where its
+    builder set one (the Runner's dispatcher always does), else :func:`reduced_region_plan` of
+    what the step says; outside any step, every row (or none)."""
+    if step is not None and step.reduced is not None:
+        return step.reduced
+    if step is None:
+        if padded_rows == 0:
+            return ReducedPlan(REDUCED_SKIP, reasons.NO_LOGITS_ROWS)
+        return ReducedPlan(REDUCED_ALL_ROWS, reasons.NO_STEP_METADATA)
+    return reduced_region_plan(step.graph_mode, step.num_logits, step.has_prefill, padded_rows, padded_tokens)
+
+
+def reduced_region_plan(graph_mode: GraphMode, num_logits: int, has_prefill: bool, padded_rows: int,
+                        padded_tokens: int) -> ReducedPlan:
+    """The rule: skip a step of no logits rows, run every row of a pure decode step or of one whose
+    padded logits rows are no fewer than its rows, else only the logits rows (the fast path)."""
+    if graph_mode == WHOLE_STEP:
         # Every row of a whole-step graph is a logits row, passed in order: the region's gathers
         # are the full-rows path already. A decode step, not a fallback.
         return ReducedPlan(REDUCED_LOGITS_ROWS)
-    if padded_rows == 0 or (step is not None and step.num_logits == 0):
+    if padded_rows == 0 or num_logits == 0:
         return ReducedPlan(REDUCED_SKIP, reasons.NO_LOGITS_ROWS)
-    if step is None:
-        return ReducedPlan(REDUCED_ALL_ROWS, reasons.NO_STEP_METADATA)
-    if not step.has_prefill:
+    if not has_prefill:
         return ReducedPlan(REDUCED_ALL_ROWS, reasons.PURE_DECODE)
     if padded_rows >= padded_tokens:
         return ReducedPlan(REDUCED_ALL_ROWS, reasons.NOT_SMALLER)

@@ -79,14 +79,11 @@ def pad_to_bucket(n: int, buckets: Sequence[int]) -> int:
     return n
 
 
-def padded_indices(indices: list[int], buckets: Sequence[int], device, num_tokens: int) -> torch.Tensor:
-    """Pad logits rows up to a bucket size with the last valid row: padded rows are valid rows
-    whose results are discarded, so a reduced batch of any size reuses a captured shape. With no
-    logits rows at all (R == 0) and buckets, the smallest bucket of the last token row is passed;
-    the step metadata says R == 0 and the reduced region is skipped."""
-    if not indices and not buckets:
-        return torch.empty(0, dtype=torch.int64, device=device)
-    padded = pad_to_bucket(len(indices), buckets)
+def padded_indices(indices: list[int], padded: int, device, num_tokens: int) -> torch.Tensor:
+    """The logits rows padded up to ``padded`` rows (the step's plan: runtime/step_plan.py) with the
+    last valid row: padded rows are valid rows whose results are discarded, so a reduced batch of
+    any size reuses a captured shape. With no logits rows at all (R == 0) the last token row is
+    passed; the step's plan then skips the reduced region."""
     out = torch.empty(padded, dtype=torch.int64)
     out[: len(indices)] = torch.tensor(indices, dtype=torch.int64)
     out[len(indices):] = indices[-1] if indices else num_tokens - 1

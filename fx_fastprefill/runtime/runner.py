@@ -26,14 +26,14 @@ from ..compilation.program_env import GraphKeys, declared_keys, recording_with
 from ..fallbacks import FallbackCounter
 from ..ops import attention as _attention_kernels  # noqa: F401  (the ops' kernels, registered)
 from ..ops.kv_cache import KVCache
-from ..ops.step_context import (EAGER, PIECEWISE, WHOLE_STEP, StepMetadata, plan_reduced_region, step_context,
-                                 to_device)
+from ..ops.step_context import WHOLE_STEP, StepMetadata, step_context, to_device
 from .batch import (Request, SeqChunk, check_sizes, default_logits_indices, default_token_pad_sizes, pad_to_bucket,
                     padded_indices, power_of_two_buckets, step_tokens, validate_logits_indices, validate_step_tokens)
 from .dynamo_guards import cheap_guards
 from .requests import RequestTable
 from .scheduler import Scheduler
-from .whole_step_graphs import MAX_ROWS_PER_REQUEST, WholeStepGraphs
+from .step_plan import StepDispatcher, StepPlan
+from .whole_step_graphs import WholeStepGraphs
 
 if TYPE_CHECKING:
     from ..compilation.backend import FastPrefillBackend
@@ -164,18 +164,20 @@ class Runner:
         if self.whole_step_sizes:
             self.whole_step_graphs = WholeStepGraphs(self._forward_step, self.kv_cache, self.whole_step_sizes,
                                                      self._recorder, self._record_fallback, self._next_step_id)
+        self.dispatcher = StepDispatcher(compiled=self.backend is not None, token_pad_sizes=self.token_pad_sizes,
+                                         logits_pad_sizes=self.logits_pad_sizes, whole_step=self.whole_step_graphs,
+                                         record_fallback=self._record_fallback)
 
     def _graph_recorder(self, recorder: Any) -> Any:
-        """What records the graphs: the recorder given (tests' stand-in), CUDA graphs on CUDA, or
-        None (no graphs)."""
+        """What records the graphs: the recorder given (tests' stand-in), CUDA graphs where the
+        backend's graphs can be recorded on this device (compilation/cudagraphs.py:
+        ``recording_refusal``, the rule the backend applies to each graph), or None (no graphs)."""
         if not self.cudagraphs:
             return None
-        if recorder is not None:
-            return recorder
-        if self.device.type != "cuda":
+        from ..compilation.cudagraphs import CUDAGraphRecorder, recording_refusal
+        if recording_refusal(self._package.compiler, self.device.type == "cuda", recorder) is not None:
             return None
-        from ..compilation.cudagraphs import CUDAGraphRecorder
-        return CUDAGraphRecorder()
+        return recorder if recorder is not None else CUDAGraphRecorder()
 
     def _precompiled_forward(self, folder: Path) -> precompiled.PrecompiledFunction:
         """The model's forward through functions saved in ``folder``, with the compiled model as
@@ -262,20 +264,26 @@ class Runner:
     def _run(self, chunks: Sequence[SeqChunk], rows: list[int]) -> torch.Tensor:
         requests = [self._padding if c.seq_id == -1 and self._padding is not None else self.requests[c.seq_id]
                     for c in chunks]
-        num_tokens = sum(len(c.tokens) for c in chunks)
-        if (self.whole_step_graphs is not None and len(rows) == num_tokens
-                and all(r is not self._padding and len(c.tokens) <= MAX_ROWS_PER_REQUEST
-                        for r, c in zip(requests, chunks))):
-            logits = self._run_whole_step(chunks, requests)
-            if logits is not None:
-                return logits
-        mode = PIECEWISE if self.backend is not None else EAGER
-        self.step_counts[mode] += 1
-        if self._padding is not None:
-            padded = max(2, pad_to_bucket(num_tokens, self.token_pad_sizes))
-            if padded > num_tokens:
-                chunks = list(chunks) + [SeqChunk(-1, [0] * (padded - num_tokens), 0)]
-                requests = requests + [self._padding]
+        plan = self.dispatcher.plan([len(c.tokens) for c in chunks], len(rows),
+                                    has_padding_request=any(r is self._padding for r in requests))
+        self.step_counts[plan.graph_mode] += 1
+        if plan.graph_mode == WHOLE_STEP:
+            ids, positions = step_tokens(chunks, requests)  # a few rows per request: lists are cheap here
+            first_slots = [request.slot_base for chunk, request in zip(chunks, requests) for _ in chunk.tokens]
+            logits = self.whole_step_graphs.run(ids.tolist(), positions.tolist(), first_slots, plan.padded_tokens)
+        else:
+            logits = self._run_regions(plan, chunks, requests, rows)
+        for request, chunk in zip(requests, chunks):
+            if request is not self._padding:  # padding rows rewrite position 0 of their own region
+                request.num_computed += len(chunk.tokens)
+        return logits
+
+    def _run_regions(self, plan: StepPlan, chunks: Sequence[SeqChunk], requests: list[Request],
+                     rows: list[int]) -> torch.Tensor:
+        """A step through the compiled model's regions (or the model as it is), padded as planned."""
+        if plan.padded_tokens > plan.num_tokens:
+            chunks = list(chunks) + [SeqChunk(-1, [0] * (plan.padded_tokens - plan.num_tokens), 0)]
+            requests = requests + [self._padding]
         query_start = [0]
         for chunk in chunks:
             query_start.append(query_start[-1] + len(chunk.tokens))
@@ -284,35 +292,19 @@ class Runner:
             context_lens=[r.num_computed for r in requests],
             slot_base=[r.slot_base for r in requests],
             kv_cache=self.kv_cache,
-            num_logits=len(rows),
-            has_prefill=len(rows) < num_tokens,
+            num_logits=plan.num_logits,
+            has_prefill=plan.num_logits < plan.num_tokens,
             step_id=self._next_step_id(),
             logits_rows=list(rows),
-            graph_mode=mode,
+            graph_mode=plan.graph_mode,
+            reduced=plan.reduced,
         )
         ids, positions = step_tokens(chunks, requests)
         input_ids, positions = to_device(ids, self.device), to_device(positions, self.device)
-        indices = padded_indices(rows, self.logits_pad_sizes, self.device, num_tokens=num_tokens)
-        # The reduced region's mode, decided here from the sizes the compiled graph is called with.
-        meta.reduced = plan_reduced_region(meta, indices.shape[0], query_start[-1])
+        indices = padded_indices(rows, plan.padded_logits, self.device, num_tokens=plan.num_tokens)
         logits = self._forward_step(meta, input_ids, positions, indices)
-        for request, chunk in zip(requests, chunks):
-            if request is not self._padding:  # padding rows rewrite position 0 of their own region
-                request.num_computed += len(chunk.tokens)
         # With CUDA graphs the compiled model has already copied its outputs out of graph memory.
         return logits[: len(rows)]
-
-    def _run_whole_step(self, chunks: Sequence[SeqChunk], requests: list[Request]) -> torch.Tensor | None:
-        """A step of logits rows only through its whole-step graph; None when it must run piecewise."""
-        ids, positions = step_tokens(chunks, requests)  # a few rows per request: lists are cheap here
-        first_slots = [request.slot_base for chunk, request in zip(chunks, requests) for _ in chunk.tokens]
-        logits = self.whole_step_graphs.run(ids.tolist(), positions.tolist(), first_slots)
-        if logits is None:
-            return None
-        self.step_counts[WHOLE_STEP] += 1
-        for request, chunk in zip(requests, chunks):
-            request.num_computed += len(chunk.tokens)
-        return logits
 
     def capture(self, progress: bool = True) -> float:
         """Compile and record every padded size now rather than on the first steps that need it:

@@ -45,7 +45,7 @@ MAX_ROWS_PER_REQUEST = 4
 class WholeStepGraphs:
     """The graphs of one Runner, for row counts ``sizes``; ``forward(ids, positions, indices)``
     runs the compiled model under the step context it is given; ``record_fallback`` counts each
-    eligible step that runs without a graph, with its reason."""
+    step planned here that runs without a graph, with its reason."""
 
     def __init__(self, forward: Callable[[StepMetadata, Tensor, Tensor, Tensor], Tensor], kv_cache: KVCache,
                  sizes: Sequence[int], recorder: Any, record_fallback: Callable[[str], None],
@@ -65,28 +65,26 @@ class WholeStepGraphs:
         """The recorded size a step of ``num_rows`` rows pads to; None when it is larger than every size."""
         return next((size for size in self.sizes if size >= num_rows), None)
 
-    def run(self, ids: Sequence[int], positions: Sequence[int], first_slots: Sequence[int],
-            size: int | None = None) -> Tensor | None:
+    def run(self, ids: Sequence[int], positions: Sequence[int], first_slots: Sequence[int], size: int) -> Tensor:
         """The logits of a step of these rows (a copy, ``[len(ids), vocab]``), through the graph of
-        ``size`` rows (default: the smallest that holds them); the first step of a size warms it
-        up. None when the step must run piecewise."""
+        ``size`` rows (the step's plan: runtime/step_plan.py). The first step of a size warms it
+        up, the second records it; a size whose recording failed runs without a graph, counted."""
         num_rows = len(ids)
-        size = size or self.size_for(max(num_rows, 1))
-        if size is None:
-            self.record_fallback(reasons.WHOLE_STEP_TOO_LARGE)
-            return None
+        if not num_rows <= size <= self.max_rows or size not in self.sizes:
+            raise ValueError(f"a step of {num_rows} rows planned for a whole-step graph of {size} rows "
+                             f"(sizes: {self.sizes})")
         action = self.lifecycle.action(size)
-        if action == lifecycle.NO_GRAPH:
-            return None
         self._fill(size, ids, positions, first_slots)
         if action == lifecycle.REPLAY:
             graph, logits = self.graphs[size]
             graph.replay()
             self.replays += 1
             return logits[:num_rows].clone()
-        if action == lifecycle.WARM_UP:
-            return self._call(size)[:num_rows]
-        return self._record(size, num_rows)
+        if action == lifecycle.RECORD:
+            logits = self._record(size)
+            if logits is not None:
+                return logits[:num_rows].clone()
+        return self._call(size)[:num_rows]  # warming up, or no graph for this size
 
     def _fill(self, size: int, ids: Sequence[int], positions: Sequence[int], first_slots: Sequence[int]) -> None:
         """Write the rows and the padding rows behind them into the input buffer, in one copy."""
@@ -107,20 +105,22 @@ class WholeStepGraphs:
                             graph_mode=WHOLE_STEP, decode_rows=rows, reduced=ReducedPlan(REDUCED_LOGITS_ROWS))
         return self.forward(meta, ids, positions, self.indices[:size])
 
-    def _record(self, size: int, num_rows: int) -> Tensor | None:
+    def _record(self, size: int) -> Tensor | None:
+        """The graph of ``size`` rows recorded (its logits, in graph memory); None, counted and
+        logged, where recording failed: the size runs without a graph from then on."""
         if self.pool is None:
             self.pool = self.recorder.new_pool()
         try:
             # A recompile inside a recording would compile on a capturing stream: fail instead.
             with torch.compiler.set_stance("fail_on_recompile"):
                 graph, outputs = self.recorder.capture(lambda _: [self._call(size)], [], self.pool)
-        except Exception:  # noqa: BLE001 - counted and logged; this size runs piecewise from now on
+        except Exception:  # noqa: BLE001 - counted and logged; this size runs without a graph from now on
             log.warning("recording the whole-step CUDA graph of %d rows failed", size, exc_info=True)
             self.lifecycle.failed(size)
             return None
         self.graphs[size] = (graph, outputs[0])
         self.lifecycle.recorded(size)
-        return outputs[0][:num_rows].clone()
+        return outputs[0]
 
     def warm_up_and_record(self) -> None:
         """Record every size now, largest first, with padding rows only."""

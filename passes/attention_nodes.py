@@ -31,7 +31,7 @@ from torch.fx import Graph, Node
 from fx_fastprefill.ops.schema import (ATTENTION_OP, KV_SOURCE, LAYER, SDPA_K, SDPA_LAYER, SDPA_MASK, SDPA_OP, SDPA_V,
                                        SLIDING_WINDOW)
 
-from .fx_utils import innermost_module, is_whole_slice
+from .fx_utils import arg, innermost_module, is_whole_slice
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -90,16 +90,16 @@ def _along_last_dim(node: Node) -> bool:
     scores before the softmax, its probability dropped after)."""
     if node.target not in _KEY_DIM_OPS:
         return False
-    first = node.args[0][0] if node.target is aten.cat.default else node.args[0]
+    first = arg(node, "tensors")[0] if node.target is aten.cat.default else arg(node, "self")
     rank = first.meta["val"].dim()
-    dims = node.args[1] if len(node.args) > 1 else (0 if node.target in (aten.slice.Tensor, aten.cat.default) else None)
+    dims = arg(node, "dim")
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     return len(dims) == 1 and dims[0] in (-1, rank - 1)
 
 
 def _score_operands(node: Node) -> list[Node]:
     if node.target is aten.cat.default:
-        return [a for a in node.args[0] if isinstance(a, Node)]
+        return [a for a in arg(node, "tensors") if isinstance(a, Node)]
     if node.target is operator.getitem:  # values of a max over the keys
         return [node.args[0]] if node.args[1] == 0 and node.args[0].target is aten.max.dim else []
     return _tensor_operands(node)
@@ -110,7 +110,7 @@ def _eager_attention(out: Node, limit: int = 256) -> tuple[Node, bool] | None:
     computed from one ``bmm`` through views, pointwise ops (scale, softcap, mask, and the softmax
     as Inductor's decompositions spell it) and reductions over the last dim, with an ``exp`` or a
     softmax among them. ``masked``: another tensor of two or more dims enters the scores (a mask)."""
-    stack, seen, scores = [out.args[0]], set(), set()
+    stack, seen, scores = [arg(out, "self")], set(), set()
     softmax = masked = False
     while stack:
         node = stack.pop()
@@ -163,8 +163,8 @@ def find_attention_nodes(graph: Graph) -> list[AttentionNode]:
             eager_names[layer] = eager_names.get(layer, 0) + 1
             if eager_names[layer] > 1:
                 layer = f"{layer}#{eager_names[layer]}"
-            keys = scores.args[2] if scores.target is aten.baddbmm.default else scores.args[1]
-            found.append(dataflow(node, layer, keys, node.args[1], masked))
+            keys = arg(scores, "batch2") if scores.target is aten.baddbmm.default else arg(scores, "mat2")
+            found.append(dataflow(node, layer, keys, arg(node, "mat2"), masked))
     _sources_computed_earlier(graph, found)
     return found
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from fx_fastprefill.ops.schema import SDPA_OP
+from fx_fastprefill.ops.schema import SDPA_LAYER, SDPA_OP
 
 from .fx_utils import module_path
 
@@ -53,4 +53,4 @@ def capture_sdpa(gm: GraphModule) -> list[str]:
         node.kwargs = {}
     if calls:
         gm.recompile()
-    return [n.args[8] for n in calls]
+    return [n.args[SDPA_LAYER] for n in calls]

@@ -6,7 +6,7 @@ Invariants: reads only; nothing here changes a graph.
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Any, Iterable
 
 import sympy
 import torch
@@ -18,8 +18,29 @@ SLICE_END = 2**62
 
 def slice_args(node: Node) -> tuple[int, object, object, object]:
     """``(dim, start, end, step)`` of an ``aten.slice.Tensor`` call, defaults filled in."""
-    args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
-    return args[1], args[2], args[3], args[4]
+    return arg(node, "dim"), arg(node, "start"), arg(node, "end"), arg(node, "step")
+
+
+def arg(node: Node, name: str) -> Any:
+    """The argument ``name`` of an op call, read by the op's schema: positional or keyword as the
+    call passes it, the schema's default where it leaves it out. ``node.args[i]`` would tie a pass
+    to argument positions and miss keywords and defaults."""
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name != name:
+            continue
+        if not argument.kwarg_only and i < len(node.args):
+            return node.args[i]
+        if name in node.kwargs:
+            return node.kwargs[name]
+        if argument.has_default_value():
+            return argument.default_value
+        raise ValueError(f"{op_name(node.target)} call {node.name} lacks its argument {name!r}")
+    raise KeyError(f"{op_name(node.target)} has no argument {name!r}")
+
+
+def arg_position(target: Any, name: str) -> int:
+    """Where the op's schema puts the argument ``name`` (a rewrite's path into ``node.args``)."""
+    return next(i for i, a in enumerate(target._schema.arguments) if a.name == name)
 
 
 def is_open_end(end: object) -> bool:

@@ -20,7 +20,7 @@ import torch
 from torch.fx import Node
 
 from . import attention_rules, collective_rules, index_rules  # noqa: F401  (they register their rules)
-from .fx_utils import reaches_end
+from .fx_utils import arg, arg_position, reaches_end, slice_args
 from .rule_registry import (POINTWISE, REDUCED_SIZE, RULES, Requirement, RuleResult, broadcast_requirement,
                             is_tensor, lookup_rule, norm_dim, rule, shape_of, symint_uses_rows, tensor_args)
 from .token_layout import Layout, depends_on, is_factor, map_view_layout
@@ -37,10 +37,10 @@ def _elementwise(node: Node, layout: Layout, rows) -> RuleResult | str:
         return reason
     out_shape = shape_of(node)
     result = RuleResult()
-    for path, arg in tensor_args(node):
-        if not is_tensor(arg):
+    for path, operand in tensor_args(node):
+        if not is_tensor(operand):
             continue
-        req = broadcast_requirement(path, arg, out_shape, layout)
+        req = broadcast_requirement(path, operand, out_shape, layout)
         if isinstance(req, str):
             return req
         result.requirements.append(req)
@@ -49,7 +49,7 @@ def _elementwise(node: Node, layout: Layout, rows) -> RuleResult | str:
 
 @rule(aten.mm.default)
 def _mm(node, layout, rows):
-    x, w = node.args
+    x, w = arg(node, "self"), arg(node, "mat2")
     if layout.axis == 0:
         return RuleResult([Requirement(("args", 0), x, layout), Requirement(("args", 1), w, None)])
     return RuleResult([Requirement(("args", 0), x, None), Requirement(("args", 1), w, layout)])
@@ -59,7 +59,7 @@ def _mm(node, layout, rows):
 def _addmm(node, layout, rows):
     if node.kwargs:
         return "addmm with beta/alpha"
-    bias, x, w = node.args
+    bias, x, w = arg(node, "self"), arg(node, "mat1"), arg(node, "mat2")
     req = broadcast_requirement(("args", 0), bias, shape_of(node), layout)
     if isinstance(req, str):
         return req
@@ -70,18 +70,18 @@ def _addmm(node, layout, rows):
 
 @rule(aten.bmm.default)
 def _bmm(node, layout, rows):
-    return _bmm_operands(*node.args, layout, first=0)
+    return _bmm_operands(arg(node, "self"), arg(node, "mat2"), layout, first=0)
 
 
 @rule(aten.baddbmm.default)
 def _baddbmm(node, layout, rows):
     """``beta * bias + alpha * x @ y`` (BLOOM's ALiBi scores): the product's rule, the bias
     broadcast against the output like an elementwise operand."""
-    bias = node.args[0]
+    bias = arg(node, "self")
     req = broadcast_requirement(("args", 0), bias, shape_of(node), layout)
     if isinstance(req, str):
         return req
-    result = _bmm_operands(node.args[1], node.args[2], layout, first=1)
+    result = _bmm_operands(arg(node, "batch1"), arg(node, "batch2"), layout, first=1)
     result.requirements.insert(0, req)
     return result
 
@@ -97,10 +97,10 @@ def _bmm_operands(x: Node, y: Node, layout: Layout, first: int) -> RuleResult:
     return RuleResult([Requirement(path_x, x, None), Requirement(path_y, y, layout)])
 
 
-def _rewrite_size_list(node: Node, arg_index: int, layout: Layout, rows) -> dict | str:
-    """Sizes that depend on the token count get rewritten (cut_graph: T -> R in their expression);
-    only the token dim may depend on it."""
-    sizes = list(node.args[arg_index])
+def _rewrite_size_list(node: Node, layout: Layout, rows) -> dict | str:
+    """Sizes (the ``size`` argument) that depend on the token count get rewritten (cut_graph: T -> R
+    in their expression); only the token dim may depend on it."""
+    sizes, arg_index = list(arg(node, "size")), arg_position(node.target, "size")
     rewrites = {}
     for i, size in enumerate(sizes):
         uses_rows = depends_on(size, rows)
@@ -129,11 +129,11 @@ def _explicit_rows(size, rows) -> bool:
 
 @rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(node, layout, rows):
-    src = node.args[0]
+    src = arg(node, "self")
     in_layout = map_view_layout(shape_of(node), layout, shape_of(src), rows)
     if in_layout is None:
         return "a view that splits or merges the token dim with a dim before it"
-    rewrites = _rewrite_size_list(node, 1, layout, rows)
+    rewrites = _rewrite_size_list(node, layout, rows)
     if isinstance(rewrites, str):
         return rewrites
     return RuleResult([Requirement(("args", 0), src, in_layout)], rewrites)
@@ -144,17 +144,17 @@ def _expand(node, layout, rows):
     """Row-aligned where the source has the rows; where it broadcasts one row over the token dim (a
     per-head sink logit expanded over the queries) the source is needed whole and the expanded
     size becomes the reduced row count."""
-    src = node.args[0]
+    src = arg(node, "self")
     out_shape, shape = shape_of(node), shape_of(src)
     axis = layout.axis - (len(out_shape) - len(shape))
     if axis >= 0 and shape[axis] == 1 and out_shape[layout.axis] != 1 and layout.plain:
-        rewrites = _rewrite_size_list(node, 1, layout, rows)
+        rewrites = _rewrite_size_list(node, layout, rows)
         if isinstance(rewrites, str):
             return rewrites
         return RuleResult([Requirement(("args", 0), src, None)], rewrites)
     if axis < 0 or sympy.simplify(shape[axis] - out_shape[layout.axis]) != 0:
         return "expand creates the token dim"
-    rewrites = _rewrite_size_list(node, 1, layout, rows)
+    rewrites = _rewrite_size_list(node, layout, rows)
     if isinstance(rewrites, str):
         return rewrites
     return RuleResult([Requirement(("args", 0), src, layout.moved(axis))], rewrites)
@@ -166,7 +166,7 @@ def _repeat(node, layout, rows):
     Llama-4-style MoE feeds every expert all rows as ``x.repeat(E, 1)``): element ``i`` is the
     source's ``i mod S``, so rows asked for in ``outer`` groups are the source's rows in ``outer / n``
     groups, when ``n`` divides ``outer`` (the reader views the copies apart, ``[E*T, H] -> [E, T, H]``)."""
-    src, repeats = node.args
+    src, repeats = arg(node, "self"), arg(node, "repeats")
     axis = layout.axis - (len(repeats) - len(shape_of(src)))
     if any(depends_on(r, rows) for r in repeats):
         return "repeat counts depend on the token count"
@@ -183,14 +183,14 @@ def _repeat(node, layout, rows):
 
 @rule(aten.permute.default)
 def _permute(node, layout, rows):
-    src, dims = node.args
+    src, dims = arg(node, "self"), arg(node, "dims")
     dims = [norm_dim(d, len(dims)) for d in dims]
     return RuleResult([Requirement(("args", 0), src, layout.moved(dims[layout.axis]))])
 
 
 @rule(aten.transpose.int)
 def _transpose(node, layout, rows):
-    src, d0, d1 = node.args
+    src, d0, d1 = arg(node, "self"), arg(node, "dim0"), arg(node, "dim1")
     rank = len(shape_of(node))
     d0, d1 = norm_dim(d0, rank), norm_dim(d1, rank)
     axis = {d0: d1, d1: d0}.get(layout.axis, layout.axis)
@@ -199,7 +199,7 @@ def _transpose(node, layout, rows):
 
 @rule(aten.unsqueeze.default)
 def _unsqueeze(node, layout, rows):
-    src, dim = node.args
+    src, dim = arg(node, "self"), arg(node, "dim")
     dim = norm_dim(dim, len(shape_of(node)))
     if dim == layout.axis:
         return "unsqueeze at the token dim"
@@ -208,9 +208,9 @@ def _unsqueeze(node, layout, rows):
 
 @rule(aten.squeeze.dim, aten.squeeze.dims)
 def _squeeze(node, layout, rows):
-    src = node.args[0]
+    src, dims = arg(node, "self"), arg(node, "dim")
     in_shape = shape_of(src)
-    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
     removed = sorted({norm_dim(d, len(in_shape)) for d in dims if in_shape[norm_dim(d, len(in_shape))] == 1})
     kept = [i for i in range(len(in_shape)) if i not in removed]
     return RuleResult([Requirement(("args", 0), src, layout.moved(kept[layout.axis]))])
@@ -218,7 +218,7 @@ def _squeeze(node, layout, rows):
 
 @rule(aten.select.int)
 def _select(node, layout, rows):
-    src, dim, _ = node.args
+    src, dim = arg(node, "self"), arg(node, "dim")
     dim = norm_dim(dim, len(shape_of(src)))
     axis = layout.axis + (dim <= layout.axis)
     return RuleResult([Requirement(("args", 0), src, layout.moved(axis))])
@@ -226,12 +226,10 @@ def _select(node, layout, rows):
 
 @rule(aten.slice.Tensor)
 def _slice(node, layout, rows):
-    src = node.args[0]
+    src = arg(node, "self")
     shape = shape_of(src)
-    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
-    start = node.args[2] if len(node.args) > 2 else None
-    end = node.args[3] if len(node.args) > 3 else None
-    step = node.args[4] if len(node.args) > 4 else 1
+    dim, start, end, step = slice_args(node)
+    dim = norm_dim(dim, len(shape))
     if dim == layout.axis and not (start in (None, 0) and step == 1 and reaches_end(end, shape[dim])):
         return "a slice of the token dim"
     return RuleResult([Requirement(("args", 0), src, layout)])
@@ -240,9 +238,9 @@ def _slice(node, layout, rows):
 @rule(aten.slice_scatter.default)
 def _slice_scatter(node, layout, rows):
     """``x[.., a:b, ..] = src`` off the token dim: both keep the token dim where it is."""
-    src, values = node.args[0], node.args[1]
+    src, values = arg(node, "self"), arg(node, "src")
     shape = shape_of(src)
-    dim = norm_dim(node.args[2] if len(node.args) > 2 else 0, len(shape))
+    dim = norm_dim(arg(node, "dim"), len(shape))
     if dim == layout.axis:
         return "a slice_scatter along the token dim"
     return RuleResult([Requirement(("args", 0), src, layout), Requirement(("args", 1), values, layout)])
@@ -250,7 +248,7 @@ def _slice_scatter(node, layout, rows):
 
 @rule(aten.select_scatter.default)
 def _select_scatter(node, layout, rows):
-    src, values, dim = node.args[0], node.args[1], node.args[2]
+    src, values, dim = arg(node, "self"), arg(node, "src"), arg(node, "dim")
     dim = norm_dim(dim, len(shape_of(src)))
     if dim == layout.axis:
         return "a select_scatter along the token dim"
@@ -260,8 +258,8 @@ def _select_scatter(node, layout, rows):
 
 @rule(aten.cat.default)
 def _cat(node, layout, rows):
-    tensors = node.args[0]
-    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape_of(node)))
+    tensors = arg(node, "tensors")
+    dim = norm_dim(arg(node, "dim"), len(shape_of(node)))
     if dim == layout.axis:
         return "cat along the token dim"
     out_shape = shape_of(node)
@@ -275,7 +273,7 @@ def _cat(node, layout, rows):
 
 
 def _reduction(node, layout, rows, dims, keepdim):
-    src = node.args[0]
+    src = arg(node, "self")
     rank = len(shape_of(src))
     dims = list(range(rank)) if dims is None or dims == [] else [norm_dim(d, rank) for d in dims]
     kept = list(range(rank)) if keepdim else [i for i in range(rank) if i not in dims]
@@ -290,29 +288,26 @@ def _reduction(node, layout, rows, dims, keepdim):
 
 @rule(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.prod.dim_int)
 def _reduce_dims(node, layout, rows):
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = arg(node, "dim")
     if isinstance(dims, int):
         dims = [dims]
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    return _reduction(node, layout, rows, dims, keepdim)
+    return _reduction(node, layout, rows, dims, arg(node, "keepdim"))
 
 
 @rule(aten.max.dim, aten.min.dim)
 def _max_dim(node, layout, rows):
     """(values, indices) over one dim, reached through getitem."""
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    return _reduction(node, layout, rows, [node.args[1]], keepdim)
+    return _reduction(node, layout, rows, [arg(node, "dim")], arg(node, "keepdim"))
 
 
 @rule(aten.var.correction, aten.var_mean.correction)
 def _var(node, layout, rows):
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    return _reduction(node, layout, rows, dims, node.kwargs.get("keepdim", False))
+    return _reduction(node, layout, rows, arg(node, "dim"), arg(node, "keepdim"))
 
 
 @rule(aten._softmax.default, aten._log_softmax.default)
 def _softmax(node, layout, rows):
-    src, dim = node.args[0], node.args[1]
+    src, dim = arg(node, "self"), arg(node, "dim")
     if norm_dim(dim, len(shape_of(src))) == layout.axis:
         return "softmax over the token dim"
     return RuleResult([Requirement(("args", 0), src, layout)])
@@ -320,16 +315,15 @@ def _softmax(node, layout, rows):
 
 @rule(aten.split.Tensor, aten.split_with_sizes.default, aten.native_layer_norm.default)
 def _multi_output(node, layout, rows):
-    src = node.args[0]
     if node.target is not aten.native_layer_norm.default:
-        dim = node.args[2] if len(node.args) > 2 else 0
-        if norm_dim(dim, len(shape_of(src))) == layout.axis:
+        src = arg(node, "self")
+        if norm_dim(arg(node, "dim"), len(shape_of(src))) == layout.axis:
             return "split along the token dim"
         return RuleResult([Requirement(("args", 0), src, layout)])
-    result = RuleResult([Requirement(("args", 0), src, layout)])
-    for i in (2, 3):
-        if isinstance(node.args[i], Node):
-            result.requirements.append(Requirement(("args", i), node.args[i], None))
+    result = RuleResult([Requirement(("args", 0), arg(node, "input"), layout)])
+    for name in ("weight", "bias"):
+        if isinstance(arg(node, name), Node):
+            result.requirements.append(Requirement(("args", arg_position(node.target, name)), arg(node, name), None))
     return result
 
 

@@ -11,6 +11,7 @@ import sympy
 import torch
 from torch.fx import Node
 
+from .fx_utils import arg, arg_position
 from .rule_registry import Requirement, RuleResult, lookup_rule, norm_dim, rule, shape_of
 from .sorted_dispatch import sorted_dispatch
 
@@ -19,7 +20,7 @@ aten = torch.ops.aten
 
 @rule(aten.embedding.default)
 def _embedding(node, layout, rows):
-    weight, indices = node.args[0], node.args[1]
+    weight, indices = arg(node, "weight"), arg(node, "indices")
     if layout.axis >= len(shape_of(indices)):
         return "embedding with rows on the feature dim"
     return RuleResult([Requirement(("args", 0), weight, None), Requirement(("args", 1), indices, layout)])
@@ -60,7 +61,7 @@ def _index(node, layout, rows):
 def _gather(node, layout, rows):
     """``out[..i..][j] = src[..i..][index[..i..][j]]`` along another dim than the token dim (a router
     picking its experts' scores per row): the output's rows are the source's and the index's."""
-    src, dim, index = node.args[:3]
+    src, dim, index = arg(node, "self"), arg(node, "dim"), arg(node, "index")
     rank = len(shape_of(src))
     if norm_dim(dim, rank) == layout.axis:
         return "gather along the token dim"
@@ -73,30 +74,24 @@ def _gather(node, layout, rows):
 def _scatter(node, layout, rows):
     """``out = self; out[..i..][index[..i..][j]] = src[..i..][j]`` along another dim than the token
     dim (a router's mask of chosen experts or groups): row-aligned, every operand on the same rows."""
-    dim = node.args[1]
-    if norm_dim(dim, len(shape_of(node))) == layout.axis:
+    if norm_dim(arg(node, "dim"), len(shape_of(node))) == layout.axis:
         return "scatter along the token dim"
     result = RuleResult()
-    for i in (0, 2, 3):
-        arg = node.args[i] if len(node.args) > i else None
-        if not isinstance(arg, Node):
+    names = {a.name for a in node.target._schema.arguments}
+    for name in [n for n in ("self", "index", "src", "value") if n in names]:
+        operand = arg(node, name)
+        if not isinstance(operand, Node):
             continue
-        if sympy.simplify(shape_of(arg)[layout.axis] - shape_of(node)[layout.axis]) != 0:
-            return f"scatter whose operand {i} has other rows than its output"
-        result.requirements.append(Requirement(("args", i), arg, layout))
+        if sympy.simplify(shape_of(operand)[layout.axis] - shape_of(node)[layout.axis]) != 0:
+            return f"scatter whose operand {name} has other rows than its output"
+        result.requirements.append(Requirement(("args", arg_position(node.target, name)), operand, layout))
     return result
 
 
 @rule(aten.topk.default, aten.sort.default, aten.sort.stable)
 def _along_one_dim(node, layout, rows):
     """top-k or sort within each row (a router's top-k experts): row-wise unless along the token dim."""
-    src = node.args[0]
-    if node.target is aten.topk.default:
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
-    elif node.target is aten.sort.stable:
-        dim = node.kwargs.get("dim", -1)
-    else:
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
-    if norm_dim(dim, len(shape_of(src))) == layout.axis:
+    src = arg(node, "self")
+    if norm_dim(arg(node, "dim"), len(shape_of(src))) == layout.axis:
         return f"{node.target} along the token dim"
     return RuleResult([Requirement(("args", 0), src, layout)])

@@ -15,7 +15,7 @@ from fx_fastprefill.passes.pipeline import (PIPELINE, Decline, PassContext, Pipe
                                                  run_pipeline)
 from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_WRITTEN, QUERY_ROWS, V, WRITE_KV_OP
 from fx_fastprefill.passes.cut_graph import cut_graph
-from fx_fastprefill.passes.fx_utils import module_path
+from fx_fastprefill.passes.fx_utils import arg, arg_position, module_path
 from fx_fastprefill.passes.gather_hoisting import analyze
 from fx_fastprefill.passes.link_kv_sources import link_kv_sources
 from fx_fastprefill.passes.meta_keys import BOUNDARY_GATHER, ROLE
@@ -222,3 +222,20 @@ def test_matrix_product_flops_are_the_flop_counters():
     with FlopCounterMode(display=False) as counter:
         f(*args)
     assert estimate_flops(gm, sympy.Integer(8), sympy.Integer(1), 8) == counter.get_total_flops() > 0
+
+
+def test_op_arguments_are_read_by_their_schema_names():
+    """``arg``: positional or keyword as the call passes it, the schema's default where it is left
+    out; a wrong name is an error, not a silent None."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    positional = graph.call_function(torch.ops.aten.slice.Tensor, (x, 1, 2))
+    keyword = graph.call_function(torch.ops.aten.sum.dim_IntList, (x, [0]), {"keepdim": True})
+    assert [arg(positional, n) for n in ("self", "dim", "start", "end", "step")] == [x, 1, 2, None, 1]
+    assert arg(keyword, "keepdim") is True and arg(keyword, "dim") == [0]
+    assert arg_position(torch.ops.aten.slice.Tensor, "end") == 3
+    with pytest.raises(KeyError, match="has no argument 'dims'"):
+        arg(keyword, "dims")
+    bare = graph.call_function(torch.ops.aten.sum.dim_IntList, (x,))
+    with pytest.raises(ValueError, match="lacks its argument 'dim'"):
+        arg(bare, "dim")

@@ -113,6 +113,7 @@ def main() -> None:
         for variant in args.variants.split(","):
             variant_start = time.perf_counter()
             base = {"model": model_name, "variant": variant, "ideal_speedup": ideal, "device": str(device),
+                    "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "dtype": str(dtype).replace("torch.", "")}
             step_sizes = sorted({max(2, b * s) for b, s in shapes} | {max(2, b) for b in decode_batches})
             logits_sizes = sorted({max(2, b) for b, _ in shapes} | {max(2, b) for b in decode_batches})

@@ -58,6 +58,12 @@ SMOKE_MODELS = ("gemma4-tiny", "runner-tiny")
 PROFILER = None  # a child's cProfile.Profile under --profile: it runs over the timed window only
 
 
+def device_name(device: str) -> str:
+    """The card each record names (torch.cuda.get_device_name), or "cpu"."""
+    import torch
+    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+
+
 def _clock_starts() -> float:
     if PROFILER is not None:
         PROFILER.enable()
@@ -230,8 +236,8 @@ def main() -> None:
                            *(["--profile", args.profile] if phase == "warm_profiled" else [])]
                     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                     lines = [x for x in proc.stdout.splitlines() if x.startswith("RECORD ")]
-                    record = {"model": model, "device": args.device, "shape": shape, "variant": variant,
-                              "phase": phase}
+                    record = {"model": model, "device": args.device, "device_name": device_name(args.device),
+                              "shape": shape, "variant": variant, "phase": phase}
                     record.update(json.loads(lines[-1][len("RECORD "):]) if lines else {"error": proc.stderr[-3000:]})
                     # the end of what the process logged (a fallback's reason, a cache that could not save)
                     record["stderr_tail"] = proc.stderr.splitlines()[-30:]

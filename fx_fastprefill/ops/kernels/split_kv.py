@@ -31,7 +31,8 @@ if triton is not None:
                          scale, window, num_splits,
                          stride_qr, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                         SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -68,14 +69,14 @@ if triton is not None:
                 v_at = v_ptr + offs * stride_vn + kv_head * stride_vh + dims[None, :]
                 k = tl.load(k_at, mask=key_ok[:, None], other=0.0).to(q.dtype)
                 v = tl.load(v_at, mask=key_ok[:, None], other=0.0).to(q.dtype)
-                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
                 s = tl.where(key_ok[None, :], s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.exp(s - m_safe[:, None])
                 alpha = tl.exp(m - m_safe)
                 l = l * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
                 m = m_new
         at = (row * num_kv_heads * GROUP + heads) * num_splits + split
         tl.store(out_ptr + at[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None] & (hi > lo))
@@ -100,6 +101,16 @@ if triton is not None:
         )
         out = tl.sum(part * weight[:, None], 0) / tl.sum(l * weight, 0)
         tl.store(out_ptr + pid * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """How the kernel's products use the tensor cores: for float32 inputs, full float32 ("ieee")
+    unless the user allowed TF32 (``torch.set_float32_matmul_precision("high")``), as torch's own
+    matmuls and FlexAttention do (Triton's default is TF32: a 10-bit mantissa). Half-precision
+    inputs: Triton's default, unchanged."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 def split_kv_attention(q: Tensor, k: Tensor, v: Tensor, key_start: Tensor, key_len: Tensor, position: Tensor,
@@ -128,7 +139,8 @@ def split_kv_attention(q: Tensor, k: Tensor, v: Tensor, key_start: Tensor, key_l
         scale, sliding_window or 0, num_splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        SPLIT_LEN=split_len, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None)
+        SPLIT_LEN=split_len, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None,
+        DOT_PRECISION=dot_precision(q.dtype))
     _merge_kernel[(rows * heads,)](partial, m, l, out, num_splits,
                                    SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim)
     return out

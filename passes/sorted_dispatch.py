@@ -34,6 +34,7 @@ import sympy
 import torch
 from torch.fx import Node
 
+from .fx_utils import arg, arg_position
 from .rule_registry import REDUCED_SIZE, Requirement, RuleResult
 from .token_layout import Layout, is_factor, size_expr
 
@@ -55,19 +56,19 @@ def inverse_permutation(y: Node) -> tuple[Node, Node, Node] | None:
     """(x, inv, sort) when ``y`` is ``x[inv]`` with ``inv = index_put(empty(n), [perm], arange(n))``
     and ``perm`` the permutation of a 1-D sort (``empty_like`` / ``arange`` as written, or as
     Inductor's decompositions spell them: ``empty.memory_format``, ``prims.iota``)."""
-    x, indices = y.args
+    x, indices = arg(y, "self"), arg(y, "indices")
     if len(indices) != 1 or not _call(indices[0], aten.index_put.default):
         return None
     inv = indices[0]
-    target, where, values = inv.args[:3]
-    if len(inv.args) > 3 and inv.args[3] or len(where) != 1:
+    target, where, values = arg(inv, "self"), arg(inv, "indices"), arg(inv, "values")
+    if arg(inv, "accumulate") or len(where) != 1:
         return None
     perm = where[0]
     if not (_call(perm, operator.getitem) and perm.args[1] == 1 and _count_path(target, perm) is not None
             and _count_path(values, perm) is not None):
         return None
     sort = perm.args[0]
-    if not _call(sort, aten.sort.default, aten.sort.stable) or sort.args[0].meta["val"].dim() != 1:
+    if not _call(sort, aten.sort.default, aten.sort.stable) or arg(sort, "self").meta["val"].dim() != 1:
         return None
     return x, inv, sort
 
@@ -75,15 +76,15 @@ def inverse_permutation(y: Node) -> tuple[Node, Node, Node] | None:
 def _count_path(node: Node, perm: Node) -> tuple | None:
     """Where ``node`` (an empty tensor or ``0 .. n - 1`` of ``perm``'s length) holds its length:
     the argument path the cut rewrites in the reduced rows; () for ``empty_like(perm)``."""
-    if _call(node, aten.empty_like.default) and node.args[0] is perm:
+    if _call(node, aten.empty_like.default) and arg(node, "self") is perm:
         return ()
-    if _call(node, aten.empty.memory_format) and len(node.args[0]) == 1:
+    if _call(node, aten.empty.memory_format) and len(arg(node, "size")) == 1:
         return ("args", 0, 0)
     if _call(node, aten.arange.default) and len(node.args) == 1:
         return ("args", 0)
-    if _call(node, aten.arange.start_step) and node.args[1:] in ((0, 1),) or \
-            _call(node, aten.arange.start) and node.args[0] == 0:
-        return ("args", 1)
+    if _call(node, aten.arange.start_step) and (arg(node, "start"), arg(node, "step")) == (0, 1) or \
+            _call(node, aten.arange.start) and arg(node, "start") == 0:
+        return ("args", arg_position(node.target, "end"))
     if _call(node, prims.iota.default) and node.kwargs.get("start") == 0 and node.kwargs.get("step") == 1:
         return ("args", 0)
     return None
@@ -115,14 +116,14 @@ def sorted_dispatch(y: Node, layout: Layout, rows, lookup_rule):
     x, inv, sort = found
     if layout.axis != 0:
         return "the experts' sorted dispatch with rows off its pair dim"
-    perm = inv.args[1][0]
+    perm = arg(inv, "indices")[0]
     block: dict[Node, object] = {inv: RuleResult(), sort: RuleResult(), perm: RuleResult()}
-    for counted in (inv.args[0], inv.args[2]):  # the empty tensor and arange(n): n in the reduced rows
+    for counted in (arg(inv, "self"), arg(inv, "values")):  # the empty tensor and arange(n): n in the reduced rows
         rewrites = _pair_count_rewrite(counted, _count_path(counted, perm), rows)
         if rewrites is None:
             return "the experts' sorted dispatch: its pair count is not a multiple of the row count"
         block[counted] = RuleResult(arg_rewrites=rewrites)
-    result = RuleResult([Requirement(("args", 0), sort.args[0], layout, sort)])
+    result = RuleResult([Requirement(("args", 0), arg(sort, "self"), layout, sort)])
     stack = [x]
     while stack:
         node = stack.pop()
@@ -131,8 +132,8 @@ def sorted_dispatch(y: Node, layout: Layout, rows, lookup_rule):
         if _call(node, operator.getitem) and node.args[0] is sort:
             block[node] = RuleResult()
             continue
-        if _call(node, aten.index.Tensor) and len(node.args[1]) == 1:
-            source, index = node.args[0], node.args[1][0]
+        if _call(node, aten.index.Tensor) and len(arg(node, "indices")) == 1:
+            source, index = arg(node, "self"), arg(node, "indices")[0]
             gathered = _gathered_layout(index, perm, layout)
             if gathered is not None:  # an input put in sorted order: the block reads its rows
                 block[node] = RuleResult()
@@ -175,9 +176,9 @@ def _gathered_layout(index: Node, perm: Node, layout: Layout) -> Layout | None:
     order: ``c`` pairs per row, ``c`` dividing the layout's blocks)."""
     if index is perm:
         return layout
-    if _call(index, aten.floor_divide.default, aten.div.Tensor_mode) and index.args[0] is perm:
-        c = index.args[1]
-        if index.target is aten.div.Tensor_mode and index.kwargs.get("rounding_mode") != "floor":
+    if _call(index, aten.floor_divide.default, aten.div.Tensor_mode) and arg(index, "self") is perm:
+        c = arg(index, "other")
+        if index.target is aten.div.Tensor_mode and arg(index, "rounding_mode") != "floor":
             return None
         if isinstance(c, int) and c > 0 and (layout.inner % c) == 0:
             return Layout(0, layout.inner / c, layout.outer)

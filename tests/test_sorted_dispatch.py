@@ -94,3 +94,17 @@ def test_a_pair_mixing_op_in_the_dispatch_is_a_named_stop():
     report = backend.reports[0]
     assert not report.cut
     assert "the experts' sorted dispatch" in report.reason and "cumsum" in report.reason, report.reason
+
+
+def test_the_pair_count_is_found_in_every_spelling_of_arange():
+    """``arange(n)``, ``arange(0, n)`` and ``arange(0, n, 1)`` hold the pair count at their ``end``;
+    a start or a step other than 0 and 1 is no count (the dispatch is then not cut)."""
+    from fx_fastprefill.passes.sorted_dispatch import _count_path
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    perm, n = graph.placeholder("perm"), graph.placeholder("n")
+    spelled = {((aten.arange.default, (n,))): ("args", 0), (aten.arange.start, (0, n)): ("args", 1),
+               (aten.arange.start_step, (0, n, 1)): ("args", 1), (aten.arange.start_step, (0, n, 2)): None,
+               (aten.arange.start, (1, n)): None}
+    for (target, args), path in spelled.items():
+        assert _count_path(graph.call_function(target, args), perm) == path, (target, args)

@@ -87,10 +87,10 @@ def test_hand_split_model_matches():
 
 
 def test_the_gate_obeys_the_steps_plan_and_plans_alone_outside_a_step(monkeypatch):
-    """The Runner decides the reduced region's mode once per step (StepMetadata.reduced); the gate
+    """The Runner's dispatcher decides the reduced region's mode once per step (StepMetadata.reduced); the gate
     does what it says, and derives the same plan itself only where the step carries none."""
     from fx_fastprefill import fallbacks
-    from fx_fastprefill.runtime import runner as runner_module
+    from fx_fastprefill.runtime import step_plan
     m = model()
     prompts = random_prompts(2, 8, 20, 512, seed=3)
     ref, fast, backend = pair(m, max_num_tokens=64)
@@ -99,7 +99,7 @@ def test_the_gate_obeys_the_steps_plan_and_plans_alone_outside_a_step(monkeypatc
     assert fast.fallbacks.get(fallbacks.NOT_SMALLER, 0) == 0
     # A plan of all rows for a prefill step the gate alone would run on its logits rows.
     forced = steps.ReducedPlan(steps.REDUCED_ALL_ROWS, fallbacks.NOT_SMALLER)
-    monkeypatch.setattr(runner_module, "plan_reduced_region", lambda *args: forced)
+    monkeypatch.setattr(step_plan, "reduced_region_plan", lambda *args: forced)
     torch.testing.assert_close(fast.prefill(prompts), expected, **TOL)
     assert fast.fallbacks[fallbacks.NOT_SMALLER] == 1
 

@@ -59,8 +59,7 @@ class StepDispatcher:
                 return StepPlan(WHOLE_STEP, num_tokens, num_logits, size, size,
                                 reduced_region_plan(WHOLE_STEP, size, False, size, size))
         has_prefill = num_logits < num_tokens
-        padded_logits = pad_to_bucket(num_logits, self.logits_pad_sizes) if num_logits or self.logits_pad_sizes \
-            else 0
+        padded_logits = pad_to_bucket(num_logits, self.logits_pad_sizes)  # 0 only without buckets
         if not self.compiled:  # the model as it is: no region obeys the plan, kept for the record
             return StepPlan(EAGER, num_tokens, num_logits, num_tokens, padded_logits,
                             reduced_region_plan(EAGER, num_logits, has_prefill, padded_logits, num_tokens))

@@ -191,6 +191,24 @@ def test_cudagraph_replays_match_the_model_without_graphs():
     assert backend.fallbacks[fallbacks.CUDAGRAPH_WARMUP] - warmups <= 2  # at most the pure-decode full-rows size
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.bool, torch.int64])
+def test_a_non_owning_view_reads_the_memory_and_does_not_keep_it(dtype):
+    base = torch.randn(64, 48, device="cuda").to(dtype)
+    view = base[3:, 1::2].t()  # an offset, a stride and a transpose
+    alias = cudagraphs.non_owning(view)
+    assert (alias.shape, alias.stride(), alias.dtype, alias.device) == (view.shape, view.stride(), dtype, view.device)
+    assert alias.data_ptr() == view.data_ptr() and torch.equal(alias, view)
+    base.view(-1)[:] = base.view(-1).flip(0)  # the alias sees writes to the memory
+    assert torch.equal(alias, view)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    del base, view
+    assert torch.cuda.memory_allocated() < before  # the alias did not keep the storage
+    assert cudagraphs.non_owning(torch.empty(0, 3, device="cuda")).shape == (0, 3)
+
+
 def test_staging_keeps_strides_and_grows_without_moving_old_views():
     staging = StagingBuffers()
     strided = torch.randn(4, 7, 8)[:, 2]  # [4, 8] with stride (56, 1): what a compiled reader expects

@@ -108,7 +108,6 @@ def test_the_fake_and_dispatch_seams():
     assert not isinstance(torch.ops.aten.mm, OpOverload) and isinstance(torch.ops.aten.add.Tensor, OpOverload)
     assert torch_seams.static_input_indices() == []  # outside a compile: none
     assert hasattr(torch.ops.aten, "_flash_attention_forward")
-    assert isinstance(torch_seams.non_owning_supported(), bool)
 
 
 def test_the_logging_seam_registers_the_package_log():

@@ -87,8 +87,8 @@ class FastPrefillBackend:
         if not isinstance(max_reports, int) or max_reports < 1:
             raise ValueError(f"max_reports must be a positive int, got {max_reports!r}")
         if cudagraphs and not non_owning_supported():
-            raise RuntimeError(f"cudagraphs=True needs non-owning CUDA views of graph outputs "
-                               f"(torch_seams.non_owning_cuda_tensor), absent in torch {torch.__version__}")
+            raise RuntimeError("cudagraphs=True needs non-owning CUDA views of graph outputs, which torch.as_tensor "
+                               "makes through numpy: pip install numpy")
         self.cudagraphs = cudagraphs
         self.compiler = compiler
         self.small_contractions = small_contractions

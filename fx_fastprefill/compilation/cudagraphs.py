@@ -26,6 +26,7 @@ compiled: a graph cannot be recorded inside another.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -41,7 +42,6 @@ from fx_fastprefill.passes.split_pieces import GRAPH, PieceInfo, piece_signature
 
 from ..ops.step_context import WHOLE_STEP, current_step
 from .. import fallbacks as reasons
-from .. import torch_seams
 from . import graph_lifecycle as lifecycle
 from . import program_env
 from .compile_graph import BoxedFn, GraphCode, compile_boxed, returns_tuple, swap_submodule
@@ -67,13 +67,32 @@ def recording_refusal(compiler: str, on_cuda: bool, recorder: Any) -> str | None
     return None
 
 
+class _DeviceMemory:
+    """Device memory described by ``__cuda_array_interface__`` (version 3, no stream: no
+    synchronization): ``torch.as_tensor`` makes a tensor over it that keeps this object, not the
+    memory's owner, alive."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False),
+                                         "strides": None, "version": 3}
+
+
 def non_owning(t: Tensor) -> Tensor:
     """A tensor over ``t``'s memory that does not keep it allocated (what a graph's output becomes
-    once its recording forward has ended: the graph, not the tensor, owns that memory)."""
-    return torch_seams.non_owning_cuda_tensor(t)
+    once its recording forward has ended: the graph, not the tensor, owns that memory). The bytes
+    of ``t``'s storage are read as ``uint8`` (the interface has no bfloat16), then viewed as ``t``."""
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:  # nothing to own
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    raw = torch.as_tensor(_DeviceMemory(storage.data_ptr(), storage.nbytes()))
+    if raw.device != t.device or raw.data_ptr() != storage.data_ptr():
+        raise RuntimeError(f"a non-owning view of {t.device} memory came out on {raw.device} at another address")
+    return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
-non_owning_supported = torch_seams.non_owning_supported
+def non_owning_supported() -> bool:
+    """``torch.as_tensor`` reads ``__cuda_array_interface__`` through numpy (a dependency)."""
+    return importlib.util.find_spec("numpy") is not None
 
 
 def _copy(t: Tensor) -> Tensor:

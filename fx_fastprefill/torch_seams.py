@@ -67,9 +67,12 @@ def aot_compile_available() -> bool:
 
 def serializable_backend_result(compiled: Any) -> Any:
     """A backend's AOTAutograd-compiled function wrapped so that aot_compile can save it: 2.13+
-    wraps it itself (the function is then returned as it is), 2.11 only for Inductor."""
-    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable, SerializableCallable
-    if getattr(compiled, "serialize", None) is not None and not isinstance(compiled, SerializableCallable):
+    wraps it itself (the function is then returned as it is), 2.11 only for Inductor. Wrapped
+    already: its class has the serializable-callable protocol (the wrapper forwards attribute reads
+    to what it wraps, so the class is asked, not the object)."""
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+    wrapped = callable(getattr(type(compiled), "serialize_compile_artifacts", None))
+    if getattr(compiled, "serialize", None) is not None and not wrapped:
         return BundledAOTAutogradSerializableCallable(compiled)
     return compiled
 

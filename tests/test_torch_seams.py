@@ -83,6 +83,23 @@ def test_the_dynamo_seams_answer():
     assert 0 in getattr(x, "_dynamo_weak_dynamic_indices", set())
 
 
+def test_a_backend_result_is_wrapped_for_saving_once():
+    """What AOTAutograd returns (it has ``serialize``) is wrapped; a wrapped one, whose attribute
+    reads reach what it wraps, and a plain function are returned as they are."""
+    class AOTCompiled:
+        def serialize(self) -> bytes:
+            return b""
+
+        def __call__(self, *args):
+            return args
+
+    wrapped = torch_seams.serializable_backend_result(AOTCompiled())
+    assert wrapped.__class__.__name__ == "BundledAOTAutogradSerializableCallable" and callable(wrapped.serialize)
+    assert torch_seams.serializable_backend_result(wrapped) is wrapped
+    plain = lambda *args: args  # noqa: E731
+    assert torch_seams.serializable_backend_result(plain) is plain
+
+
 def test_the_patching_seams_put_torch_back():
     """Entered and left, the function each patches is the original again."""
     from torch._dynamo import guards

@@ -6,14 +6,13 @@ queries). Registered on import (``rule_registry.py``).
 
 from __future__ import annotations
 
-import sympy
 from torch.fx import Node
 
 from fx_fastprefill.ops.schema import (ATTENTION_OP, K, KV_WRITTEN, Q, QUERY_ROWS, SDPA_IS_CAUSAL, SDPA_K, SDPA_MASK,
                                        SDPA_OP, SDPA_Q, SDPA_QUERY_SUFFIX, SDPA_V, V)
 
 from .rule_registry import Requirement, RuleResult, rule, shape_of
-from .token_layout import Layout
+from .token_layout import Layout, same_size
 
 
 @rule(ATTENTION_OP)
@@ -41,7 +40,7 @@ def _sdpa(node, layout, rows):
         return "attention already runs on a subset of its queries"
     q, k, v, mask = (node.args[i] for i in (SDPA_Q, SDPA_K, SDPA_V, SDPA_MASK))
     rewrites = {("args", SDPA_QUERY_SUFFIX): True}
-    if node.args[SDPA_IS_CAUSAL] and sympy.simplify(shape_of(q)[-2] - shape_of(k)[-2]) != 0:
+    if node.args[SDPA_IS_CAUSAL] and not same_size(shape_of(q)[-2], shape_of(k)[-2]):
         # Top-left causal over more keys than queries (a static cache's slots): the suffix call is
         # told the full call's query count, and aligns its queries as their last rows.
         # (A keyword: the aten trace drops the trailing default, and Inductor matches positions.)
@@ -52,7 +51,7 @@ def _sdpa(node, layout, rows):
         mask_shape = shape_of(mask)
         if len(mask_shape) < 2 or mask_shape[-2] == 1:
             result.requirements.append(Requirement(("args", SDPA_MASK), mask, None))
-        elif sympy.simplify(mask_shape[-2] - out_shape[layout.axis]) == 0:
+        elif same_size(mask_shape[-2], out_shape[layout.axis]):
             result.requirements.append(Requirement(("args", SDPA_MASK), mask, Layout(len(mask_shape) - 2)))
         else:
             return f"attention mask of shape {mask_shape} does not match the queries"

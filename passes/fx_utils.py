@@ -12,6 +12,8 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
+from .token_layout import same_size
+
 # What an open-ended slice (``x[a:]``) traces to as its end.
 SLICE_END = 2**62
 
@@ -58,7 +60,7 @@ def reaches_end(end: object, size: sympy.Expr | None = None) -> bool:
     expr = (
         value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value) if isinstance(value, int) else None
     )
-    return expr is not None and sympy.simplify(expr - size) == 0
+    return expr is not None and same_size(expr, size)
 
 
 def is_whole_slice(node: Node) -> bool:

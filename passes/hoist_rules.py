@@ -23,7 +23,7 @@ from . import attention_rules, collective_rules, index_rules  # noqa: F401  (the
 from .fx_utils import arg, arg_position, reaches_end, slice_args
 from .rule_registry import (POINTWISE, REDUCED_SIZE, RULES, Requirement, RuleResult, broadcast_requirement,
                             is_tensor, lookup_rule, norm_dim, rule, shape_of, symint_uses_rows, tensor_args)
-from .token_layout import Layout, depends_on, is_factor, map_view_layout
+from .token_layout import Layout, depends_on, is_factor, map_view_layout, same_size
 
 __all__ = ["REDUCED_SIZE", "RULES", "Requirement", "RuleResult", "lookup_rule"]
 
@@ -152,7 +152,7 @@ def _expand(node, layout, rows):
         if isinstance(rewrites, str):
             return rewrites
         return RuleResult([Requirement(("args", 0), src, None)], rewrites)
-    if axis < 0 or sympy.simplify(shape[axis] - out_shape[layout.axis]) != 0:
+    if axis < 0 or not same_size(shape[axis], out_shape[layout.axis]):
         return "expand creates the token dim"
     rewrites = _rewrite_size_list(node, layout, rows)
     if isinstance(rewrites, str):

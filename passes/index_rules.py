@@ -7,13 +7,13 @@ Invariant: an index tensor is row-aligned with its output's rows, or needed whol
 
 from __future__ import annotations
 
-import sympy
 import torch
 from torch.fx import Node
 
 from .fx_utils import arg, arg_position
 from .rule_registry import Requirement, RuleResult, lookup_rule, norm_dim, rule, shape_of
 from .sorted_dispatch import sorted_dispatch
+from .token_layout import same_size
 
 aten = torch.ops.aten
 
@@ -65,7 +65,7 @@ def _gather(node, layout, rows):
     rank = len(shape_of(src))
     if norm_dim(dim, rank) == layout.axis:
         return "gather along the token dim"
-    if sympy.simplify(shape_of(src)[layout.axis] - shape_of(node)[layout.axis]) != 0:
+    if not same_size(shape_of(src)[layout.axis], shape_of(node)[layout.axis]):
         return "gather of fewer rows than its source"
     return RuleResult([Requirement(("args", 0), src, layout), Requirement(("args", 2), index, layout)])
 
@@ -82,7 +82,7 @@ def _scatter(node, layout, rows):
         operand = arg(node, name)
         if not isinstance(operand, Node):
             continue
-        if sympy.simplify(shape_of(operand)[layout.axis] - shape_of(node)[layout.axis]) != 0:
+        if not same_size(shape_of(operand)[layout.axis], shape_of(node)[layout.axis]):
             return f"scatter whose operand {name} has other rows than its output"
         result.requirements.append(Requirement(("args", arg_position(node.target, name)), operand, layout))
     return result

@@ -24,7 +24,7 @@ import sympy
 import torch
 from torch.fx import Node
 
-from .token_layout import Layout, depends_on, shape_exprs
+from .token_layout import Layout, depends_on, same_size, shape_exprs
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -101,7 +101,7 @@ def broadcast_requirement(path, arg: Node, out_shape, layout: Layout) -> Require
     axis = layout.axis - (len(out_shape) - len(shape))
     if axis < 0 or (shape[axis] == 1 and out_shape[layout.axis] != 1):
         return Requirement(path, arg, None)
-    if sympy.simplify(shape[axis] - out_shape[layout.axis]) != 0:
+    if not same_size(shape[axis], out_shape[layout.axis]):
         return f"operand {path[1:]} has {shape[axis]} rows on the token dim, output has {out_shape[layout.axis]}"
     return Requirement(path, arg, layout.moved(axis))
 

@@ -49,6 +49,14 @@ def size_expr(value) -> sympy.Expr:
     return sympy.Integer(int(value))
 
 
+def same_size(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """Two sizes provably equal for every value of their symbols. A test on expressions, not a
+    guard: what cannot be proved is treated as different, and the rewrite that needed it is not
+    made. (``statically_known_true`` answers the same for SymInts; the passes reason over the
+    expressions, which they also divide and factor.)"""
+    return sympy.simplify(a - b) == 0
+
+
 def shape_exprs(val) -> list[sympy.Expr] | None:
     if not isinstance(val, torch.Tensor):
         return None
@@ -81,7 +89,7 @@ def map_view_layout(src_shape: Sequence[sympy.Expr], src: Layout, dst_shape: Seq
             continue
         outer = sympy.simplify(prefix / _prod(dst_shape[:axis]))
         inner = sympy.simplify(block / _prod(dst_shape[axis + 1:]))
-        if all(is_factor(f, rows) for f in (outer, inner)) and sympy.simplify(size - outer * rows * inner) == 0:
+        if all(is_factor(f, rows) for f in (outer, inner)) and same_size(size, outer * rows * inner):
             found.append(Layout(axis, inner, outer))
     return found[0] if len(found) == 1 else None
 

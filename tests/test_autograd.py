@@ -31,6 +31,7 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, compiler", [("llama", "inductor"), ("gemma3n", "eager"),
                                             ("gemma4_no_hand_slicing", "eager")])
 def test_gradients_equal_eager_then_no_grad_is_cut(name, compiler):

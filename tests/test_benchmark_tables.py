@@ -3,6 +3,8 @@ time from a profiler trace (step_profile.py)."""
 
 import json
 
+import pytest
+
 from benchmarks.tables import compile_s, speedups, targets
 
 
@@ -87,6 +89,7 @@ def test_serve_targets_report_met_and_missed():
     assert "| gemma3n-e2b | vllm-8k | ffp | 69.0 |" in serve_markdown(records)
 
 
+@pytest.mark.slow
 def test_roofline_flops_are_the_compiled_programs_graph_count():
     """benchmarks/roofline.py counts FLOPs from the config; the backend counts them from the graphs it
     compiled (uncut and cut, one prompt of ``prompt_len`` tokens, one logits row): the two agree,

@@ -82,6 +82,7 @@ def test_pieces_split_at_the_package_ops_and_gathers():
     assert [n.name for n in split.graph.nodes if n.op == "placeholder"] == [n.name for n in inputs]
 
 
+@pytest.mark.slow
 def test_layers_of_one_kind_compile_one_piece(monkeypatch):
     """The per-layer input's slice of each layer (``select(per_layer, 1, i)``) moves out of the
     pieces, so the pieces of layers of one kind are equal and compile once; replays of the shared

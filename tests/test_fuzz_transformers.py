@@ -80,6 +80,7 @@ batches = st.lists(st.tuples(st.lists(st.integers(3, 14), min_size=2, max_size=3
                    min_size=1, max_size=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(CONFIGS))  # one profile per family: each gets its examples
 @given(data=st.data(), draws=batches, seed=st.integers(0, 2**16))
 def test_random_transformers_models_and_batches_match_without_the_pass(family, data, draws, seed):
@@ -156,6 +157,7 @@ def _chat(model, ids, extra):
                               min_new_tokens=3, do_sample=False, pad_token_id=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", CALL_FORMS)
 @given(data=st.data(), lengths=st.lists(st.integers(6, 14), min_size=1, max_size=2), keep=st.integers(1, 3),
        seed=st.integers(0, 2**16))

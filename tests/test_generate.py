@@ -159,6 +159,7 @@ def _chat(model, cache_kind: str, seed: int):
     return turn1, turn2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, cache", [("llama", "dynamic"), ("llama", "static"), ("gemma3n", "dynamic")])
 def test_a_cache_passed_in_continues_a_chat(name, cache):
     """generate(past_key_values=cache) twice, the second turn on the first turn's cache: the cache
@@ -226,6 +227,7 @@ def test_one_kv_head_static_cache_on_the_gpu():
     assert model.fx_fastprefill.reports[0].cut
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma4_no_hand_slicing", "llama"])
 def test_new_batch_sizes_and_prompt_lengths_compile_nothing_after_two_prefill_graphs(name):
     """A first batch compiles a graph for its batch size; a second batch size, Dynamo's automatic
@@ -245,6 +247,7 @@ def test_new_batch_sizes_and_prompt_lengths_compile_nothing_after_two_prefill_gr
     assert all(r.cut for r in handle.reports), [r.reason for r in handle.reports]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["draft model", "prompt lookup"])
 def test_assisted_generation_runs_on_a_cache_it_supports(mode):
     """Issue 40, defect 4: transformers runs assisted generation on a DynamicCache only (5.23 refused
@@ -276,6 +279,7 @@ def test_assisted_generation_runs_on_a_cache_it_supports(mode):
     assert handle.calls[PREFILL] >= 2 and handle.reports and all(r.cut for r in handle.reports), handle.summary()
 
 
+@pytest.mark.slow
 def test_a_peft_model_is_compiled_through_its_base_model():
     """Issue 40, defect 5: ``peft_model.generate`` runs the base model's generate, which calls the base
     model's forward: that is the one compiled. LoRA adapters unmerged, switched and merged: tokens

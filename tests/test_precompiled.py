@@ -67,6 +67,7 @@ def _restart(tmp_path: Path, device: str) -> None:
     assert dynamic["fallbacks"] == {fallbacks.PRECOMPILED_GUARD_MISS: 1}, dynamic
 
 
+@pytest.mark.slow
 def test_a_warm_generate_loads_both_paths_and_traces_nothing(tmp_path):
     _restart(tmp_path, "cpu")
 
@@ -79,6 +80,7 @@ def test_a_warm_generate_on_the_gpu_loads_both_paths(tmp_path):
     _restart(tmp_path, "cuda")
 
 
+@pytest.mark.slow
 def test_a_warm_runner_loads_its_model_and_traces_nothing(tmp_path):
     """``Runner(precompile=...)``: the cold process compiles and saves the model's one graph (every
     step size, piecewise graphs with the stand-in recorder); the warm one, with other weights,
@@ -280,6 +282,7 @@ def _write_user_code(user_dir: Path, edited: bool) -> None:
     (package / "modeling_gemma4.py").write_text(source)
 
 
+@pytest.mark.slow
 def test_a_restart_after_the_models_code_is_edited_compiles_the_edited_code(tmp_path):
     """Issue 40, defects 1 and 2. The first process (which built a Llama first) saves every model's
     paths; the user then edits a subclass's forward, a helper module its forward calls, and a copy of
@@ -326,6 +329,7 @@ def _generate_equals_the_uncompiled_model(folder, **options) -> dict:
     return dict(model.fx_fastprefill.backend.fallbacks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["a file", "under a file", "read-only"])
 def test_a_folder_that_cannot_be_written_is_counted_not_raised(tmp_path, monkeypatch, caplog, form):
     """Issue 40, defect 3: the functions and the side file of K/V shapes cannot be written; the path
@@ -354,6 +358,7 @@ def test_a_folder_that_cannot_be_written_is_counted_not_raised(tmp_path, monkeyp
     assert sum("not written" in r.getMessage() for r in caplog.records) == 1, caplog.text
 
 
+@pytest.mark.slow
 def test_damaged_files_in_the_folder_are_compiled_again(tmp_path):
     """A truncated function file and a K/V-shapes file that is not JSON: skipped (counted) and
     probed again, with the right tokens."""

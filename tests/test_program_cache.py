@@ -46,6 +46,7 @@ def cold_cache(tmp_path_factory) -> tuple[Path, Path, dict]:
     return root / "cache", root / "artifacts.bin", cold
 
 
+@pytest.mark.slow
 def test_a_warm_process_loads_the_program_and_compiles_nothing(tmp_path, cold_cache):
     cache, artifacts, cold = cold_cache
     # The caches shipped as torch's cache artifacts into an empty folder (a restart on another
@@ -61,6 +62,7 @@ def test_a_warm_process_loads_the_program_and_compiles_nothing(tmp_path, cold_ca
         assert run["max_abs_err"] <= 1e-5 * run["scale"], run  # fp32 against the model without the pass
 
 
+@pytest.mark.slow
 def test_a_truncated_output_code_file_is_deleted_and_made_again(tmp_path, cold_cache):
     """Issue 42: every compiled graph's code file (``<key>.py``) in the cache cut short, as a full
     disk or a killed writer leaves it. Before, each failed to import in every later process, the
@@ -272,6 +274,7 @@ def _tp_rank(rank: int, cache_dirs: list[str]) -> dict:
                 err=((logits - expected).abs().max() / expected.abs().max()).item())
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_with_one_cache_warm_and_one_cold(tmp_path):
     warm, cold, scratch = (str(tmp_path / name) for name in ("warm", "cold", "scratch"))
     run_ranks(_tp_rank, 2, [warm, scratch], timeout=timedelta(seconds=300))  # fills rank 0's folder

@@ -1,5 +1,6 @@
 """One compiled graph for every step size, and no more memory than without the pass."""
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -46,6 +47,7 @@ def peak_bytes(fn) -> int:
     return peak
 
 
+@pytest.mark.slow
 def test_peak_memory_of_a_prefill_step_is_not_higher_with_the_pass():
     """With Inductor, what users run (its memory planning decides the peak)."""
     model = small_model()
@@ -66,6 +68,7 @@ def test_peak_memory_of_a_prefill_step_is_not_higher_with_the_pass():
     assert peaks[True] <= peaks[False], peaks
 
 
+@pytest.mark.slow
 def test_a_changed_attribute_or_parameter_recompiles_under_cheap_guards():
     """The Runner traces with dict-tag guards and constant floats (fx_fastprefill/dynamo_guards.py);
     setting a float attribute, a config field or a new parameter after compiling must still be seen."""

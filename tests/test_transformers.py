@@ -94,6 +94,7 @@ def test_outputs_that_need_every_row_leave_the_graph_unchanged(kwargs, reason):
     assert not report.cut and reason in report.reason, report.reason
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", [2, 30])
 def test_dynamic_logits_to_keep_beyond_the_prompt_is_not_cut_and_right(keep):
     """Gemma 4 (its own slicing of the shared inputs), dynamic=True, k > T: transformers' slice keeps

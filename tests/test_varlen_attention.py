@@ -96,6 +96,7 @@ def split_kv_against_float64(seed: int = 0, device: str = "cpu") -> float:
     return worst
 
 
+@pytest.mark.slow
 def test_split_kv_kernel_in_the_triton_interpreter():
     """The real split-KV kernel, interpreted (one subprocess: Triton reads TRITON_INTERPRET at
     import): the logits and decode rows of every step against the reference, then random rows

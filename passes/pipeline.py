@@ -30,6 +30,7 @@ from .attention_nodes import AttentionNode
 from .cut_graph import CutError, cut_graph
 from .eligible_layers import eligible_layers
 from .flops import estimate_flops
+from .fx_utils import placeholders
 from .gather_hoisting import HoistPlan, NoCut, analyze
 from .link_kv_sources import link_kv_sources
 from .narrow_sliced_producers import Narrowed, narrow_sliced_producers
@@ -42,6 +43,7 @@ DUMP_ENV = "FX_FASTPREFILL_DUMP_GRAPHS"
 NO_ATTENTION = ("the graph has no attention the pass knows (fx_fastprefill.attention, SDPA, or eager attention: "
                 "Q @ K^T -> softmax -> @ V)")
 HOIST_STOPPED = "the hoist stopped before any attention layer"
+UNCHANGED = "unchanged"  # ctx.pieces' key for a graph compiled unchanged
 _graph_ids = itertools.count()
 
 
@@ -141,11 +143,26 @@ def split(ctx: PassContext) -> None:
 
 def pieces(ctx: PassContext) -> None:
     """With piecewise CUDA graphs, each region split into the pieces recorded as graphs and the
-    ops that run eagerly between them (passes/split_pieces.py)."""
-    if ctx.options.cudagraphs:
-        static_names = {ctx.copies.get(n, n).name for n in ctx.static_inputs}
-        ctx.pieces = {name: split_pieces(getattr(ctx.split, name), region_static_idxs(ctx.split, name, static_names))
-                      for name in (FULL, REDUCED)}
+    ops that run eagerly between them (passes/split_pieces.py); for a declined cut, the graph that
+    compiles unchanged, as region ``UNCHANGED``. The compiler only compiles the pieces it is given."""
+    if not ctx.options.cudagraphs:
+        return
+    if ctx.declined:
+        graph = ctx.unchanged or ctx.gm
+        static_idxs = [i for i, n in enumerate(placeholders(graph)) if n in ctx.static_inputs]
+        ctx.pieces = {UNCHANGED: split_pieces(graph, static_idxs)}
+        return
+    static_names = {ctx.copies.get(n, n).name for n in ctx.static_inputs}
+    ctx.pieces = {name: split_pieces(getattr(ctx.split, name), region_static_idxs(ctx.split, name, static_names))
+                  for name in (FULL, REDUCED)}
+
+
+def unchanged_pieces(ctx: PassContext) -> tuple[GraphModule, list[PieceInfo]]:
+    """The pieces of a declined graph, which compiles unchanged: the pieces pass's, run now where
+    the cut was declined after the pipeline (the ranks disagree, its regions failed to compile)."""
+    if UNCHANGED not in ctx.pieces:
+        _timed(ctx, pieces)
+    return ctx.pieces[UNCHANGED]
 
 
 PIPELINE: list[Pass] = [link, find_eligible, require_enabled, copy_for_cut, hoist, narrow,
@@ -158,6 +175,14 @@ REWRITES: dict[Pass, Callable[[PassContext], str]] = {
     pieces: lambda ctx: "\n".join(f"# {name}\n" + split.print_readable(print_output=False)
                                    for name, (split, _) in ctx.pieces.items()),
 }
+
+
+def _timed(ctx: PassContext, pass_: Pass) -> None:
+    start = time.perf_counter()
+    try:
+        pass_(ctx)
+    finally:
+        ctx.seconds[pass_.__name__] = ctx.seconds.get(pass_.__name__, 0.0) + time.perf_counter() - start
 
 
 def run_pipeline(ctx: PassContext, passes: list[Pass] = PIPELINE) -> PassContext:
@@ -183,6 +208,8 @@ def run_pipeline(ctx: PassContext, passes: list[Pass] = PIPELINE) -> PassContext
         copied = copied or pass_ is copy_for_cut
         if ctx.declined:
             log.debug("pass %s declined the cut: %s", name, ctx.declined)
+            if ctx.unchanged is not None and ctx.options.cudagraphs:  # it compiles unchanged: its pieces
+                _timed(ctx, pieces)
             break
         if dump and pass_ in REWRITES:
             path = Path(dump) / f"graph{graph_id}_{k:02d}_{name}.txt"

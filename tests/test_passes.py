@@ -11,11 +11,12 @@ import sympy
 import torch
 
 from fx_fastprefill.ops import attention, sdpa  # noqa: F401  (the ops' kernels and fake kernels)
-from fx_fastprefill.passes.pipeline import (PIPELINE, Decline, PassContext, PipelineOptions, copy_for_cut,
-                                                 run_pipeline)
+from fx_fastprefill.passes.pipeline import (PIPELINE, UNCHANGED, Decline, PassContext, PipelineOptions, copy_for_cut,
+                                           run_pipeline, unchanged_pieces)
 from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_WRITTEN, QUERY_ROWS, V, WRITE_KV_OP
 from fx_fastprefill.passes.cut_graph import cut_graph
-from fx_fastprefill.passes.fx_utils import arg, arg_position, module_path
+from fx_fastprefill.passes.fx_utils import arg, arg_position, module_path, placeholders
+from fx_fastprefill.passes.split_pieces import GRAPH
 from fx_fastprefill.passes.gather_hoisting import analyze
 from fx_fastprefill.passes.link_kv_sources import link_kv_sources
 from fx_fastprefill.passes.meta_keys import BOUNDARY_GATHER, ROLE
@@ -120,6 +121,31 @@ def test_pipeline_runs_every_pass_in_order_and_times_it():
 def test_pipeline_declines_with_the_reason(options, reason):
     ctx = run_pipeline(PassContext(graph(), options))
     assert ctx.declined == reason and not ctx.failed and "copy_for_cut" not in ctx.seconds
+
+
+def test_a_graph_compiled_unchanged_gets_its_pieces_from_the_pipeline():
+    """With CUDA graphs, the pieces pass splits the graph that compiles unchanged too (region
+    UNCHANGED): where a pass declines, and where the cut is declined after the pipeline (the ranks
+    disagree). The compiler is then given pieces, and splits nothing itself."""
+    def every_node_once(ctx):
+        split, infos = ctx.pieces[UNCHANGED]
+        ops = [n.target for i in infos for n in getattr(split, i.name).graph.nodes if n.op == "call_function"]
+        assert sorted(map(str, ops)) == sorted(str(n.target) for n in ctx.unchanged.graph.nodes
+                                               if n.op == "call_function")
+        assert [n.name for n in placeholders(split)] == [n.name for n in placeholders(ctx.unchanged)]
+        assert any(i.kind == GRAPH for i in infos)
+
+    declined = run_pipeline(PassContext(graph(), PipelineOptions(fast_prefill=False, cudagraphs=True)))
+    assert declined.declined == "fast_prefill=False" and list(declined.pieces) == [UNCHANGED]
+    assert unchanged_pieces(declined) is declined.pieces[UNCHANGED] and "pieces" in declined.seconds
+    every_node_once(declined)
+    cut = run_pipeline(PassContext(graph(), PipelineOptions(cudagraphs=True)))
+    assert sorted(cut.pieces) == sorted([FULL, REDUCED])
+    cut.declined = "the ranks planned different cuts"
+    unchanged_pieces(cut)
+    assert list(cut.pieces) == [UNCHANGED]
+    every_node_once(cut)
+    assert run_pipeline(PassContext(graph(), PipelineOptions(fast_prefill=False))).pieces == {}
 
 
 def test_an_error_after_the_copy_declines_and_an_error_before_it_is_raised():

@@ -19,7 +19,8 @@ from torch.fx import GraphModule, Node
 from fx_fastprefill.ops.schema import SDPA_OP, is_package_op
 from fx_fastprefill.passes.capture_sdpa import capture_sdpa
 from fx_fastprefill.passes.fx_utils import input_name, placeholders
-from fx_fastprefill.passes.pipeline import DUMP_ENV, PIPELINE, Pass, PassContext, PipelineOptions, run_pipeline
+from fx_fastprefill.passes.pipeline import (DUMP_ENV, PIPELINE, Pass, PassContext, PipelineOptions, run_pipeline,
+                                             unchanged_pieces)
 from fx_fastprefill.passes.split_regions import FULL, REDUCED, region_static_idxs
 
 from .. import fallbacks as fallback_reasons
@@ -219,7 +220,8 @@ class FastPrefillBackend:
         self.reports.append(report)
         if ctx.declined:
             log.info("graph left unchanged: %s", report.reason)
-            program = self._compile_unchanged(ctx.unchanged or gm, example_inputs, static, cudagraphs)
+            program = self._compile_unchanged(ctx.unchanged or gm, example_inputs, static,
+                                              unchanged_pieces(ctx) if cudagraphs else None)
         else:
             log.info("compiled a graph with %d attention layers\n%s", len(ctx.layers), report.summary())
         groups = spmd.collective_groups(ctx.unchanged or gm)
@@ -256,10 +258,11 @@ class FastPrefillBackend:
         return Submodule(compile_boxed(region, self.compiler, static_idxs))
 
     def _compile_unchanged(self, gm: GraphModule, example_inputs: Sequence[Any], static: set[Node],
-                           cudagraphs: bool) -> CompiledProgram:
+                           pieces: tuple[GraphModule, list] | None) -> CompiledProgram:
+        """``gm`` as it is; with CUDA graphs (``pieces``: the pipeline's split of it), piecewise."""
         static_idxs = [i for i, n in enumerate(placeholders(gm)) if n in static]
-        if cudagraphs:
-            region = PiecewiseRegion(gm, self.compiler, static_idxs)
+        if pieces is not None:
+            region = PiecewiseRegion(gm, self.compiler, static_idxs, pieces)
             region.copy_outputs = True  # the caller keeps them past the next call
             return CompiledProgram(region)
         if self.compiler == "eager":

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 from fx_fastprefill.passes.fx_utils import placeholders, size_sources
-from fx_fastprefill.passes.split_pieces import GRAPH, PieceInfo, piece_signature, split_pieces
+from fx_fastprefill.passes.split_pieces import GRAPH, PieceInfo, piece_signature
 
 from ..ops.step_context import WHOLE_STEP, current_step
 from .. import fallbacks as reasons
@@ -258,13 +258,13 @@ class PiecewiseRegion:
     """
 
     def __init__(self, region: GraphModule, compiler: str, static_input_idxs: list[int],
-                 pieces: tuple[GraphModule, list[PieceInfo]] | None = None, compiled_pieces: dict | None = None):
-        """``pieces``: the region already split (the pipeline's ``pieces`` pass); else split here
-        (a graph compiled unchanged, which the pipeline did not finish). ``compiled_pieces``: pieces
-        compiled so far in this shape environment, by their signature (shared by a program's
-        regions); a piece equal to one of them is not compiled again."""
+                 pieces: tuple[GraphModule, list[PieceInfo]], compiled_pieces: dict | None = None):
+        """``pieces``: the region split by the pipeline's ``pieces`` pass (a cut's region, or a
+        graph compiled unchanged). ``compiled_pieces``: pieces compiled so far in this shape
+        environment, by their signature (shared by a program's regions); a piece equal to one of
+        them is not compiled again."""
         inputs = placeholders(region)
-        self.split, infos = pieces or split_pieces(region, static_input_idxs)
+        self.split, infos = pieces
         compiled = {} if compiled_pieces is None else compiled_pieces
         self.key_sizes = self._key_sizes(inputs, infos)
         self.pieces: list[CUDAGraphPiece] = []

@@ -39,7 +39,7 @@ from torch.fx import GraphModule, Node
 
 from fx_fastprefill.ops.schema import ATTENTION_OP, SDPA_IS_CAUSAL, SDPA_OP
 
-from .attention_nodes import find_attention_nodes
+from .attention_nodes import AttentionNode, find_attention_nodes
 from .fx_utils import downstream, is_open_end, slice_args
 from .hoist_rules import RuleResult, lookup_rule
 from .token_layout import Layout, shape_exprs
@@ -71,6 +71,7 @@ class HoistPlan:
     boundary: dict[tuple[Node, Layout], list[tuple[Node, tuple]]] = field(default_factory=dict)
     stops: list[Stop] = field(default_factory=list)
     attention: set[Node] = field(default_factory=set)  # every attention node (passes/attention_nodes.py)
+    attention_nodes: list[AttentionNode] = field(default_factory=list)  # the same, as found: layer names, K/V
 
     @property
     def reduced_attention(self) -> list[Node]:
@@ -263,7 +264,8 @@ def analyze(gm: GraphModule) -> HoistPlan:
             raise
         seed, layout, rows, count, reduced = found
         plan = HoistPlan(rows, reduced, None, [(seed, layout)], suffix=count)
-    plan.attention = {a.node for a in find_attention_nodes(gm.graph)}
+    plan.attention_nodes = find_attention_nodes(gm.graph)
+    plan.attention = {a.node for a in plan.attention_nodes}
     requested: dict[Node, dict[Layout, list]] = defaultdict(lambda: defaultdict(list))
     needed_whole: dict[Node, tuple[str, Node]] = {}
     seed_nodes = {s for s, _ in plan.seeds}

@@ -35,7 +35,7 @@ from .gather_hoisting import HoistPlan, NoCut, analyze
 from .link_kv_sources import link_kv_sources
 from .narrow_sliced_producers import Narrowed, narrow_sliced_producers
 from .split_pieces import PieceInfo, split_pieces
-from .split_regions import FULL, REDUCED, region_static_idxs, split_regions
+from .split_regions import FULL, REDUCED, assign_regions, region_static_idxs, split_regions
 
 log = logging.getLogger("fx_fastprefill")
 
@@ -76,6 +76,8 @@ class PassContext:
     flops_full: float = 0.0
     flops_cut: float = 0.0
     split: GraphModule | None = None  # the cut graph as calls of its full and reduced regions
+    regions: dict[Node, str] = field(default_factory=dict)  # each node of the cut graph -> FULL or REDUCED
+    region_static_idxs: dict[str, list[int]] = field(default_factory=dict)  # region -> inputs read in place
     pieces: dict[str, tuple[GraphModule, list[PieceInfo]]] = field(default_factory=dict)  # region -> its pieces
     declined: str = ""
     failed: bool = False  # declined by an error in a pass (counted as a fallback), not by a rule
@@ -137,7 +139,10 @@ def cut(ctx: PassContext) -> None:
 
 
 def split(ctx: PassContext) -> None:
-    ctx.split = split_regions(ctx.gm)
+    ctx.regions = assign_regions(ctx.gm)
+    ctx.split = split_regions(ctx.gm, ctx.regions)
+    static_names = {ctx.copies.get(n, n).name for n in ctx.static_inputs}
+    ctx.region_static_idxs = {name: region_static_idxs(ctx.split, name, static_names) for name in (FULL, REDUCED)}
     ctx.flops_cut = estimate_flops(ctx.gm, ctx.plan.rows, ctx.plan.reduced_rows, ctx.options.prompt_len)
 
 
@@ -152,8 +157,7 @@ def pieces(ctx: PassContext) -> None:
         static_idxs = [i for i, n in enumerate(placeholders(graph)) if n in ctx.static_inputs]
         ctx.pieces = {UNCHANGED: split_pieces(graph, static_idxs)}
         return
-    static_names = {ctx.copies.get(n, n).name for n in ctx.static_inputs}
-    ctx.pieces = {name: split_pieces(getattr(ctx.split, name), region_static_idxs(ctx.split, name, static_names))
+    ctx.pieces = {name: split_pieces(getattr(ctx.split, name), ctx.region_static_idxs[name])
                   for name in (FULL, REDUCED)}
 
 

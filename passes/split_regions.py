@@ -49,9 +49,10 @@ def assign_regions(gm: GraphModule) -> dict[Node, str]:
     return regions
 
 
-def split_regions(gm: GraphModule) -> GraphModule:
-    """``gm`` as a GraphModule that calls its ``full`` and ``reduced`` region submodules."""
-    regions = assign_regions(gm)
+def split_regions(gm: GraphModule, regions: dict[Node, str] | None = None) -> GraphModule:
+    """``gm`` as a GraphModule that calls its ``full`` and ``reduced`` region submodules
+    (``regions``: :func:`assign_regions` of ``gm``, where the caller has it)."""
+    regions = assign_regions(gm) if regions is None else regions
     # Not keep_original_order=True: torch's split_module then fails on cut graphs (KeyError on a
     # getitem node, tests/test_passes.py); two regions, the reduced reading the full, need no order.
     split = split_module(gm, gm, lambda node: _PARTITION[regions[node]])

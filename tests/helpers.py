@@ -1,17 +1,21 @@
 """Helpers shared by the tests: random prompts, tiny traced graphs, where a product runs, a small flat
-model run through fixed steps, and a CPU stand-in for CUDA graphs."""
+model run through fixed steps, a CPU stand-in for CUDA graphs, runners with whole-step graphs, and a
+two-layer model whose ending decides whether it can be cut."""
 
 from __future__ import annotations
 
 import random
 
 import torch
+from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fx_fastprefill
 from fx_fastprefill import SeqChunk
+from fx_fastprefill.compilation.backend import FastPrefillBackend
 from fx_fastprefill.passes.split_regions import assign_regions
+from examples.blocks import Attention
 from examples.gemma3n import Config, Gemma3nLike
 
 aten = torch.ops.aten
@@ -149,3 +153,54 @@ class RerunRecorder:
     @property
     def replays(self):
         return sum(g.replays for g in self.graphs)
+
+
+# --- whole-step graphs (tests/test_whole_step_graphs.py, tests/test_step_plan.py) ---
+
+PROMPTS = random_prompts(3, 3, 20, 512, seed=4)  # longer than the model's window of 5
+PAD_SIZES = [2, 4, 8, 16, 64]
+
+
+def make_runner(backend, **options) -> fx_fastprefill.Runner:
+    return fx_fastprefill.Runner(small_model(), backend=backend, max_num_tokens=64, max_model_len=96, max_num_seqs=4,
+                                 **options)
+
+
+def plain_runner() -> fx_fastprefill.Runner:
+    """The same model, eager: no compile, no pass, no graphs, no padding."""
+    return make_runner(None)
+
+
+def graphed_runner(**options):
+    recorder = RerunRecorder()
+    backend = FastPrefillBackend(compiler="eager", cudagraphs=True)
+    return make_runner(backend, token_pad_sizes=PAD_SIZES, graph_recorder=recorder, **options), backend, recorder
+
+
+# --- a model cut or not by its ending (tests/test_not_cut.py) ---
+
+class Variant(nn.Module):
+    """One attention layer that computes its own K/V, one that shares it; ``ending`` picks how
+    the logits are formed."""
+
+    def __init__(self, ending: str):
+        super().__init__()
+        self.vocab_size, self.ending = 64, ending
+        self.embed = nn.Embedding(64, 32)
+        self.a = Attention("a", 32, 4, 2, 8)
+        self.b = Attention("b", 32, 4, 2, 8, kv_source="a")
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, input_ids, positions, logits_indices):
+        h = self.embed(input_ids)
+        h = h + self.a(h, positions)
+        h = h + self.b(h, positions)
+        if self.ending == "all_rows":
+            return self.head(h)
+        if self.ending == "two_token_counts":
+            return self.head(h[logits_indices] + torch.cat([h, h])[logits_indices])
+        if self.ending == "flattened_output":
+            return self.head(h[logits_indices]).reshape(-1)
+        if self.ending == "row_mixing_after_last_layer":
+            h = h + 0.1 * h.cumsum(0)
+        return self.head(h[logits_indices])

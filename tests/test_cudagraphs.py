@@ -274,7 +274,7 @@ def test_after_capture_no_step_warms_up_with_or_without_the_pass(fast_prefill):
 def test_capture_asks_the_program_how_it_keys_its_graphs_not_the_shared_backends_latest_report():
     """One backend compiles a cut model, then a model it leaves unchanged (its latest report): the
     cut model's capture still records its T and R apart, and no step of it warms up afterwards."""
-    from tests.test_not_cut import Variant
+    from tests.helpers import Variant
     backend = FastPrefillBackend(compiler="eager", cudagraphs=True)
     cut = fx_fastprefill.Runner(small_model(), backend=backend, max_num_tokens=64, max_model_len=96,
                                 token_pad_sizes=[16, 32, 64], graph_recorder=RerunRecorder())

@@ -3,39 +3,11 @@ still computes what it computes without the pass."""
 
 import pytest
 import torch
-from torch import nn
 
 import fx_fastprefill
 from fx_fastprefill import fallbacks
 from fx_fastprefill.passes import pipeline
-from examples.blocks import Attention
-
-
-class Variant(nn.Module):
-    """One attention layer that computes its own K/V, one that shares it; ``ending`` picks how
-    the logits are formed."""
-
-    def __init__(self, ending: str):
-        super().__init__()
-        self.vocab_size, self.ending = 64, ending
-        self.embed = nn.Embedding(64, 32)
-        self.a = Attention("a", 32, 4, 2, 8)
-        self.b = Attention("b", 32, 4, 2, 8, kv_source="a")
-        self.head = nn.Linear(32, 64)
-
-    def forward(self, input_ids, positions, logits_indices):
-        h = self.embed(input_ids)
-        h = h + self.a(h, positions)
-        h = h + self.b(h, positions)
-        if self.ending == "all_rows":
-            return self.head(h)
-        if self.ending == "two_token_counts":
-            return self.head(h[logits_indices] + torch.cat([h, h])[logits_indices])
-        if self.ending == "flattened_output":
-            return self.head(h[logits_indices]).reshape(-1)
-        if self.ending == "row_mixing_after_last_layer":
-            h = h + 0.1 * h.cumsum(0)
-        return self.head(h[logits_indices])
+from tests.helpers import Variant
 
 
 @pytest.mark.parametrize("ending, reason", [

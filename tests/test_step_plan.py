@@ -17,7 +17,7 @@ from fx_fastprefill.ops.step_context import (EAGER, PIECEWISE, REDUCED_ALL_ROWS,
 from fx_fastprefill.runtime.step_plan import StepDispatcher
 from fx_fastprefill.runtime.whole_step_graphs import MAX_ROWS_PER_REQUEST, WholeStepGraphs
 from tests.helpers import RerunRecorder
-from tests.test_whole_step_graphs import PROMPTS, graphed_runner, plain_runner
+from tests.helpers import PROMPTS, graphed_runner, plain_runner
 
 
 def dispatcher(whole_step_sizes=(2, 4), compiled=True, token_pad_sizes=(4, 16, 64), logits_pad_sizes=(2, 4, 8, 64)):

@@ -11,33 +11,11 @@ import torch
 import fx_fastprefill
 from fx_fastprefill import SeqChunk
 from fx_fastprefill import fallbacks
-from fx_fastprefill.compilation.backend import FastPrefillBackend
 from fx_fastprefill.ops.kernels.decode import gathered_decode_attention
 from fx_fastprefill.ops.kernels.reference import reference_attention
 from fx_fastprefill.ops.kv_cache import KVCache
 from fx_fastprefill.ops.step_context import DecodeRows, StepMetadata
-from tests.helpers import random_prompts
-from tests.helpers import RerunRecorder, small_model
-
-PROMPTS = random_prompts(3, 3, 20, 512, seed=4)  # longer than the model's window of 5
-PAD_SIZES = [2, 4, 8, 16, 64]
-
-
-def make_runner(backend, **options) -> fx_fastprefill.Runner:
-    return fx_fastprefill.Runner(small_model(), backend=backend, max_num_tokens=64, max_model_len=96, max_num_seqs=4,
-                                 **options)
-
-
-def plain_runner() -> fx_fastprefill.Runner:
-    """The same model, eager: no compile, no pass, no graphs, no padding."""
-    return make_runner(None)
-
-
-def graphed_runner(**options):
-    recorder = RerunRecorder()
-    backend = FastPrefillBackend(compiler="eager", cudagraphs=True)
-    return make_runner(backend, token_pad_sizes=PAD_SIZES, graph_recorder=recorder, **options), backend, recorder
-
+from tests.helpers import PAD_SIZES, PROMPTS, graphed_runner, make_runner, plain_runner, small_model
 
 def test_decode_steps_replay_whole_step_graphs_and_generate_the_same_tokens():
     want = plain_runner().generate(PROMPTS, 6)

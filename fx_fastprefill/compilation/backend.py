@@ -21,7 +21,7 @@ from fx_fastprefill.passes.capture_sdpa import capture_sdpa
 from fx_fastprefill.passes.fx_utils import input_name, placeholders
 from fx_fastprefill.passes.pipeline import (DUMP_ENV, PIPELINE, Pass, PassContext, PipelineOptions, run_pipeline,
                                              unchanged_pieces)
-from fx_fastprefill.passes.split_regions import FULL, REDUCED, region_static_idxs
+from fx_fastprefill.passes.split_regions import FULL, REDUCED
 
 from .. import fallbacks as fallback_reasons
 from .. import torch_seams
@@ -226,7 +226,8 @@ class FastPrefillBackend:
             log.info("compiled a graph with %d attention layers\n%s", len(ctx.layers), report.summary())
         groups = spmd.collective_groups(ctx.unchanged or gm)
         keys = GraphKeys.NONE if not cudagraphs else GraphKeys.TOGETHER if ctx.declined else GraphKeys.APART
-        return ProgramCode(program, report, groups, spmd.fingerprint(ctx.gm, ctx.declined), record_fallback, keys)
+        fingerprint = spmd.fingerprint(ctx.gm, ctx.declined, ctx.regions)
+        return ProgramCode(program, report, groups, fingerprint, record_fallback, keys)
 
     def _graphs_recordable(self, example_inputs: Sequence[Any], record_fallback: Callable[[str], None]) -> bool:
         """CUDA graphs for this graph, where cudagraphs.recording_refusal allows them; else counted,
@@ -240,12 +241,11 @@ class FastPrefillBackend:
     def _compile_cut(self, ctx: PassContext, static: set[Node], cudagraphs: bool) -> CompiledProgram:
         """The two regions compiled and swapped into the split graph, the reduced one behind the gate."""
         split, plan = ctx.split, ctx.plan
-        static_names = {ctx.copies[n].name for n in static}
         compiled_pieces: dict = {}  # one compile per distinct piece, shared by both regions (one shape env)
         for name in (FULL, REDUCED):
             region = getattr(split, name)
-            static_idxs = region_static_idxs(split, name, static_names)
-            run = self._compile_region(region, static_idxs, cudagraphs, ctx.pieces.get(name), compiled_pieces)
+            run = self._compile_region(region, ctx.region_static_idxs[name], cudagraphs, ctx.pieces.get(name),
+                                       compiled_pieces)
             if name == REDUCED and plan.per_step:
                 run = StepGate(run, region, plan.index.name, plan.rows, plan.reduced_rows)
             swap_submodule(split, name, run)

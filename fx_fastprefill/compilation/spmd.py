@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 
 from fx_fastprefill import torch_seams
 from fx_fastprefill.ops.schema import OpOverload, is_package_op
-from fx_fastprefill.passes.split_regions import REDUCED, assign_regions
+from fx_fastprefill.passes.split_regions import REDUCED
 
 log = logging.getLogger("fx_fastprefill")
 DISAGREE = "the ranks planned different cuts"
@@ -55,12 +55,11 @@ def _shapes(value) -> str:
     return type(value).__name__
 
 
-def fingerprint(cut: GraphModule | None, declined: str) -> str:
+def fingerprint(cut: GraphModule | None, declined: str, regions: dict[Node, str]) -> str:
     """A short hash of what this rank will run: "unchanged", or its cut's collectives and attention
-    calls in the order the regions run them, with their shapes."""
+    calls in the order the regions run them (``regions``: the pipeline's), with their shapes."""
     if declined:
         return UNCHANGED
-    regions = assign_regions(cut)
     calls = [n for n in cut.graph.nodes if n in regions and (is_package_op(n) or _is_collective(n))]
     calls.sort(key=lambda n: regions[n] == REDUCED)  # stable: graph order within each region
     text = "\n".join(f"{regions[n]} {n.target} {_shapes(n.meta.get('val'))}" for n in calls)

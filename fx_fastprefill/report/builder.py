@@ -11,7 +11,7 @@ import re
 from torch.fx import GraphModule, Node
 
 from fx_fastprefill.ops.schema import ATTENTION_OP, K, KV_SOURCE, LAYER, V, WRITE_KV_OP
-from fx_fastprefill.passes.attention_nodes import find_attention_nodes
+from fx_fastprefill.passes.attention_nodes import AttentionNode
 from fx_fastprefill.passes.fx_utils import innermost_module, size_names
 from fx_fastprefill.passes.fx_utils import op_name as target_name
 from fx_fastprefill.passes.meta_keys import SOURCE
@@ -42,10 +42,11 @@ def describe(node: Node, report: FastPrefillReport) -> str:
     return f"{path}:{node.name}" if path else node.name
 
 
-def kv_consumers(gm: GraphModule) -> dict[Node, list[str]]:
-    """For every node, the layers whose own K/V (the values written to the KV cache) it feeds."""
+def kv_consumers(gm: GraphModule, attention: list[AttentionNode]) -> dict[Node, list[str]]:
+    """For every node, the layers whose own K/V (the values written to the KV cache) it feeds
+    (``attention``: the attention nodes the hoisting plan found in ``gm``)."""
     feeds: dict[Node, list[str]] = {}
-    dataflow_owners = {a.node: a for a in find_attention_nodes(gm.graph) if a.keys is not None and not a.shares_kv}
+    dataflow_owners = {a.node: a for a in attention if a.keys is not None and not a.shares_kv}
     for node in gm.graph.nodes:
         is_write = node.op == "call_function" and node.target is WRITE_KV_OP
         owns_kv = node.op == "call_function" and node.target is ATTENTION_OP and node.args[KV_SOURCE] is None
@@ -157,7 +158,7 @@ def build_report(ctx, input_names: dict, cudagraphs: bool, fallbacks) -> FastPre
     if plan.rows.is_number:  # static shapes: the graph's own prompt length (passes/flops.py)
         report.prompt_len = int(plan.rows)
     report.placeholder_names.update({n: names.get(n, n.name) for n in ctx.gm.graph.nodes if n.op == "placeholder"})
-    feeds_kv = kv_consumers(ctx.gm)
+    feeds_kv = kv_consumers(ctx.gm, plan.attention_nodes)
     report.stops = [hoist_stop(stop, report, feeds_kv) for stop in plan.stops]
     report.flops_full = ctx.flops_full
     if ctx.declined == HOIST_STOPPED and report.stops:
@@ -180,7 +181,7 @@ def build_report(ctx, input_names: dict, cudagraphs: bool, fallbacks) -> FastPre
             "(logits_to_keep)"
     else:
         report.row_selection = "the last k rows of each sequence (logits_to_keep, k given at run time)"
-    attention = find_attention_nodes(ctx.gm.graph)
+    attention = plan.attention_nodes
     report.reduced_layers = [a.layer for a in attention if a.node in reduced_attention]
     report.unreduced = unreduced_reasons(attention, set(ctx.eligible) - set(report.reduced_layers), plan.stops, report)
     report.gathered = [gathered(node, report) for node in ctx.gm.graph.nodes if SOURCE in node.meta]

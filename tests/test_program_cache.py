@@ -333,6 +333,33 @@ def test_a_program_that_does_not_pickle_says_which_part():
     assert "whose __getstate__ raised AssertionError" in program_cache.unpicklable_part({"k": [Launched()]})
 
 
+def test_a_compiled_graph_is_saved_as_it_was_compiled(tmp_path, monkeypatch):
+    """A graph's saved form is made when Inductor returns it: on an FX-graph-cache hit its bundle
+    holds the very autotuners its code runs, which no longer pickle once they have run (the
+    stand-in: an attribute that does not pickle, set after the compile)."""
+    import pickle
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fx_fastprefill.compilation import compile_graph
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x, w = torch.randn(5, 8), torch.randn(8, 3)
+    outs = {}
+    for saving in (True, False):
+        gm = make_fx(lambda a, b: (torch.relu(a @ b) * 2,), tracing_mode="fake")(x, w)  # aten, fake values
+        with compile_graph.lowering(small_contractions=False, saving=saving):
+            boxed = compile_graph.compile_boxed(gm, "inductor")
+        outs[saving] = boxed([x, w])[0]
+        boxed.code.launched_kernel = lambda: None  # as a kernel that has run
+        if saving:
+            loaded = pickle.loads(pickle.dumps(boxed))
+            torch.testing.assert_close(loaded([x, w])[0], torch.relu(x @ w) * 2)
+        else:
+            with pytest.raises(Exception):  # saved only when the program is: pickled now, it fails
+                pickle.dumps(boxed)
+    torch.testing.assert_close(outs[True], torch.relu(x @ w) * 2)
+
+
 class _ConstantOnDevice:
     """A program's tensor constant as pickling a CUDA one works: its bytes copied to the CPU by a
     tensor op (under a FakeTensorMode the copy is fake and its bytes cannot be read)."""

@@ -32,7 +32,7 @@ from ..ops.attention import NO_BACKWARD
 from ..report.builder import build_report
 from ..report.report import ReportLog
 from . import damaged_files, program_cache, program_env, spmd
-from .compile_graph import (COMPILERS, BoxedGraph, GraphCode, Submodule, compile_boxed, inductor, lowering,
+from .compile_graph import (COMPILERS, GraphCode, Submodule, compile_boxed, lowering,
                             swap_submodule)
 from .cudagraphs import PiecewiseRegion, non_owning_supported, recording_refusal
 from .program_cache import ProgramCode
@@ -141,9 +141,13 @@ class FastPrefillBackend:
         programs: list[ProgramCode] = []
         users_tag = torch.compiler.config.cache_key_tag
 
+        saving = program_cache.can_save() and self.cache_tag is not None and not os.environ.get(DUMP_ENV)
+        if not saving and not os.environ.get(DUMP_ENV):  # dumping the passes' graphs: they must run, not load
+            self.fallbacks.record(fallback_reasons.NO_PROGRAM_CACHE)
+
         def compile_program(aten: GraphModule, inputs: Sequence[Any]) -> ProgramCode:
             with program_cache.compiling_regions(users_tag), \
-                    lowering(small_contractions=self.small_contractions):
+                    lowering(small_contractions=self.small_contractions, saving=saving):
                 programs.append(self._compile_aten(aten, inputs))
             return programs[-1]
 
@@ -151,14 +155,8 @@ class FastPrefillBackend:
             self.adopt_loaded(code)
             programs.append(code)
 
-        compiler = program_cache.serializable(compile_program)
-        if os.environ.get(DUMP_ENV):
-            compiler = None  # dumping the passes' graphs: they must run, not be served from the cache
-        elif compiler is None or self.cache_tag is None:
-            compiler = None
-            self.fallbacks.record(fallback_reasons.NO_PROGRAM_CACHE)
-        caching = program_cache.caching(self.cache_tag, loaded) if compiler else contextlib.nullcontext()
-        compiler = compiler or compile_program
+        caching = program_cache.caching(self.cache_tag, loaded) if saving else contextlib.nullcontext()
+        compiler = program_cache.serializable(compile_program) if saving else compile_program
         with caching, damaged_files.counted_by(self.fallbacks.record):
             compiled = torch_seams.aot_module_simplified(gm, example_inputs, fw_compiler=compiler,
                                                          inference_compiler=compiler,
@@ -265,9 +263,7 @@ class FastPrefillBackend:
             region = PiecewiseRegion(gm, self.compiler, static_idxs, pieces)
             region.copy_outputs = True  # the caller keeps them past the next call
             return CompiledProgram(region)
-        if self.compiler == "eager":
-            return CompiledProgram(Submodule(BoxedGraph(GraphCode(gm), single=False)))
-        return CompiledProgram(Submodule(BoxedGraph(inductor(gm, example_inputs, static_idxs), single=False)))
+        return CompiledProgram(Submodule(compile_boxed(gm, self.compiler, static_idxs, example_inputs)))
 
     def _fallback_recorder(self, graph_fallbacks: FallbackCounter) -> Callable[[str], None]:
         """Counts a fallback on the backend (which logs it) and on the graph's own counter (its report's)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import pickle
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator, Sequence
 
@@ -28,18 +29,22 @@ log = logging.getLogger("fx_fastprefill")
 BoxedFn = Callable[[list], list]
 COMPILERS = ("inductor", "eager")
 # Whether the graphs compiled now have their small contractions rewritten (the backend's
-# ``small_contractions`` option, set while it compiles a program: see :func:`lowering`).
+# ``small_contractions`` option) and are kept in their saved form too (the program will be saved):
+# set while the backend compiles a program, see :func:`lowering`.
 _SMALL_CONTRACTIONS: ContextVar[bool] = ContextVar("fx_fastprefill_small_contractions", default=True)
+_SAVING: ContextVar[bool] = ContextVar("fx_fastprefill_saving", default=True)
 
 
 @contextlib.contextmanager
-def lowering(*, small_contractions: bool) -> Iterator[None]:
-    """Within: the graphs handed to Inductor are lowered with these choices."""
-    token = _SMALL_CONTRACTIONS.set(small_contractions)
+def lowering(*, small_contractions: bool, saving: bool = True) -> Iterator[None]:
+    """Within: the graphs handed to Inductor are lowered with these choices; with ``saving``, each
+    compiled graph is pickled as it is compiled (:class:`BoxedGraph`)."""
+    tokens = _SMALL_CONTRACTIONS.set(small_contractions), _SAVING.set(saving)
     try:
         yield
     finally:
-        _SMALL_CONTRACTIONS.reset(token)
+        _SAVING.reset(tokens[1])
+        _SMALL_CONTRACTIONS.reset(tokens[0])
 
 
 def inductor(gm: GraphModule, example_inputs: Sequence, static_input_idxs: Sequence[int]) -> BoxedFn:
@@ -130,11 +135,17 @@ class BoxedGraph:
     """One compiled graph as a boxed callable (a list of inputs in, cleared; a list of outputs out)
     that pickles: an Inductor ``CompiledFxGraph`` is stored the way the AOTAutograd cache bundles
     one (its generated source, its Triton kernels) and reloaded from that; an aten graph (the
-    ``eager`` compiler) is stored as its code."""
+    ``eager`` compiler) is stored as its code.
 
-    def __init__(self, code: Any, single: bool):
+    The Inductor graph is pickled when it is compiled, not when the program is saved: its bundle
+    holds Triton autotuners that, on an FX-graph-cache hit, are the very kernels the loaded code
+    runs, and a kernel that has run no longer pickles ("pickle should not be called after
+    make_launchers()", seen on the H100 for Gemma 4 E2B's second graph)."""
+
+    def __init__(self, code: Any, single: bool, saved: bytes | str | None = None):
         self.code = code      # a CompiledFxGraph, or a GraphCode under compiler="eager"
         self.single = single  # the graph returns one value (Inductor was given it as a 1-tuple)
+        self.saved = saved    # the CompiledFxGraph pickled as compiled, or why it did not pickle
 
     def __call__(self, args: list) -> list:
         if isinstance(self.code, GraphCode):
@@ -144,16 +155,28 @@ class BoxedGraph:
         return list(self.code(args))
 
     def __getstate__(self) -> dict:
-        code = self.code
-        if not isinstance(code, GraphCode):
-            code = copy.copy(code)
-            code.prepare_for_serialization()
-        return {"code": code, "single": self.single}
+        if isinstance(self.code, GraphCode):
+            return {"code": self.code, "single": self.single}
+        saved = self.saved if self.saved is not None else saved_form(self.code)
+        if isinstance(saved, str):
+            raise TypeError(f"a compiled graph did not pickle when it was compiled: {saved}")
+        return {"saved": saved, "single": self.single}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        if not isinstance(self.code, GraphCode):
-            self.code = _reload(self.code)
+        self.single, self.saved = state["single"], None
+        self.code = state["code"] if "code" in state else _reload(pickle.loads(state["saved"]))
+
+
+def saved_form(graph: Any) -> bytes | str:
+    """``graph`` (a ``CompiledFxGraph``) pickled the way Inductor's cache stores one, or why it does
+    not pickle. With no dispatch mode active: a constant must pickle as the real tensor it is."""
+    graph = copy.copy(graph)
+    graph.prepare_for_serialization()
+    try:
+        with torch_seams.no_dispatch_modes():
+            return pickle.dumps(graph)
+    except Exception as e:  # noqa: BLE001 - whatever stops it, the program is not saved, and says why
+        return f"{type(e).__name__}: {e}"
 
 
 def _reload(graph: Any) -> Any:
@@ -166,12 +189,16 @@ def _reload(graph: Any) -> Any:
     return loaded
 
 
-def compile_boxed(gm: GraphModule, compiler: str, static_input_idxs: Sequence[int] = ()) -> BoxedGraph:
-    """``gm`` compiled as a :class:`BoxedGraph`."""
+def compile_boxed(gm: GraphModule, compiler: str, static_input_idxs: Sequence[int] = (),
+                  inputs: Sequence[Any] | None = None) -> BoxedGraph:
+    """``gm`` compiled as a :class:`BoxedGraph`, for ``inputs`` (by default its placeholders' fake
+    values)."""
     single = not returns_tuple(gm)
     if compiler == "eager":
         return BoxedGraph(GraphCode(gm), single)
-    return BoxedGraph(inductor(_with_tuple_output(gm) if single else gm, example_inputs(gm), static_input_idxs), single)
+    inputs = example_inputs(gm) if inputs is None else inputs
+    compiled = inductor(_with_tuple_output(gm) if single else gm, inputs, static_input_idxs)
+    return BoxedGraph(compiled, single, saved_form(compiled) if _SAVING.get() else None)
 
 
 class Submodule:

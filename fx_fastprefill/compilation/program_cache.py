@@ -173,10 +173,13 @@ def unpicklable_part(obj: Any, path: str = "", depth: int = 8) -> str:
     return here
 
 
-def serializable(compiler: Callable[..., ProgramCode]) -> Callable[..., ProgramCode] | None:
-    """``compiler`` as AOTAutograd's cacheable compiler, or None where this torch lacks the API."""
-    if SerializableAOTDispatchCompiler is None:
-        return None
+def can_save() -> bool:
+    """Whether this torch has AOTAutograd's cacheable compiler (:func:`serializable`)."""
+    return SerializableAOTDispatchCompiler is not None
+
+
+def serializable(compiler: Callable[..., ProgramCode]) -> Callable[..., ProgramCode]:
+    """``compiler`` as AOTAutograd's cacheable compiler (where :func:`can_save`)."""
     return SerializableAOTDispatchCompiler(ProgramCode, compiler)
 
 

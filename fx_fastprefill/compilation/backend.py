@@ -141,8 +141,9 @@ class FastPrefillBackend:
         programs: list[ProgramCode] = []
         users_tag = torch.compiler.config.cache_key_tag
 
-        saving = program_cache.can_save() and self.cache_tag is not None and not os.environ.get(DUMP_ENV)
-        if not saving and not os.environ.get(DUMP_ENV):  # dumping the passes' graphs: they must run, not load
+        dumping = bool(os.environ.get(DUMP_ENV))  # dumping the passes' graphs: they must run, not load
+        saving = program_cache.can_save() and self.cache_tag is not None and not dumping
+        if not saving and not dumping:
             self.fallbacks.record(fallback_reasons.NO_PROGRAM_CACHE)
 
         def compile_program(aten: GraphModule, inputs: Sequence[Any]) -> ProgramCode:

@@ -170,9 +170,9 @@ class BoxedGraph:
 def saved_form(graph: Any) -> bytes | str:
     """``graph`` (a ``CompiledFxGraph``) pickled the way Inductor's cache stores one, or why it does
     not pickle. With no dispatch mode active: a constant must pickle as the real tensor it is."""
-    graph = copy.copy(graph)
-    graph.prepare_for_serialization()
-    try:
+    try:  # a graph that cannot be prepared or pickled costs the save, never the compile
+        graph = copy.copy(graph)
+        graph.prepare_for_serialization()
         with torch_seams.no_dispatch_modes():
             return pickle.dumps(graph)
     except Exception as e:  # noqa: BLE001 - whatever stops it, the program is not saved, and says why

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch._functorch.config as functorch_config  # noqa: F401  AOTAutograd's cache switches
@@ -166,6 +166,27 @@ def reload_compiled_graph(graph: Any) -> Any:
     with tracing(None):
         loaded.post_compile([], constants, {"cudagraphs": False, "is_backward": False})
     return loaded
+
+
+@contextlib.contextmanager
+def launched_kernels_picklable(graph: Any) -> Iterator[None]:
+    """Within: the statically launched Triton kernels a ``CompiledFxGraph`` bundles pickle, though
+    they have launchers. On an FX-graph-cache hit Inductor registers the bundle's own kernels as the
+    ones the loaded code runs, and loading makes their launchers, so such a graph no longer pickles
+    ("pickle should not be called after make_launchers()"). The kernels' own
+    ``prepare_for_pickle`` / ``restore_after_unpickle`` pair (what Inductor's bundler calls to save
+    a kernel that has run) drops the launchers for the pickle and puts them back after."""
+    bundle = getattr(graph, "_triton_bundle", None)
+    kernels = [entry.kernel for entry in getattr(bundle, "static_autotuners", None) or ()
+               if getattr(entry.kernel, "launchers", None)]
+    saved: list[Any] = []
+    try:
+        for kernel in kernels:
+            saved.append(kernel.prepare_for_pickle())
+        yield
+    finally:
+        for kernel, old_values in zip(kernels, saved):
+            kernel.restore_after_unpickle(old_values)
 
 
 def static_input_indices() -> list[int]:

@@ -480,3 +480,72 @@ def test_a_program_whose_saved_bytes_changed_is_refused_and_counted():
     with program_cache.caching("tag", lambda loaded: None), damaged_files.counted_by(counted.record):
         code.post_compile([], None, {})
     assert code.program == {"weights": [1.0, 2.0]} and counted == {fallbacks.PROGRAM_DAMAGED: 1}
+
+
+class _LaunchedKernel:
+    """A stand-in for Inductor's autotuner once its launchers are made (the pickle protocol only)."""
+
+    def __init__(self):
+        self.launchers = ["launcher"]
+
+    def prepare_for_pickle(self):
+        old, self.launchers = self.launchers, []
+        return old
+
+    def restore_after_unpickle(self, old):
+        self.launchers = old
+
+    def __getstate__(self):
+        assert not self.launchers, "pickle should not be called with after make_launchers()"
+        return dict(self.__dict__)
+
+
+def test_launched_bundle_kernels_pickle_and_keep_their_launchers():
+    """The bundle's kernels pickle without launchers, and get them back after: the stand-in has
+    Inductor's autotuner protocol (``launchers``, ``prepare_for_pickle``, ``restore_after_unpickle``)
+    and its refusal to pickle once launched."""
+    import pickle
+    from types import SimpleNamespace
+
+    from fx_fastprefill import torch_seams
+
+    kernel = _LaunchedKernel()
+    graph = SimpleNamespace(_triton_bundle=SimpleNamespace(static_autotuners=[SimpleNamespace(kernel=kernel)]))
+    with pytest.raises(AssertionError, match="make_launchers"):
+        pickle.dumps(kernel)
+    with torch_seams.launched_kernels_picklable(graph):
+        assert pickle.loads(pickle.dumps(kernel)).launchers == []
+    assert kernel.launchers == ["launcher"]
+    with torch_seams.launched_kernels_picklable(SimpleNamespace()):  # no bundle (CPU code): nothing to do
+        pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_graph_loaded_from_inductors_cache_is_saved_on_the_gpu(tmp_path, monkeypatch):
+    """The defect seen on the H100: the same graph compiled twice in one process is an FX-graph-cache
+    hit the second time, whose bundled kernels already have launchers. Its saved form is made
+    anyway and reloads to the same output."""
+    import pickle
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fx_fastprefill.compilation import compile_graph
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(64, 128, device="cuda")
+    w = torch.randn(128, 32, device="cuda")
+    fn = lambda a, b: (torch.softmax(a @ b, -1) * a.sum(-1, keepdim=True),)  # noqa: E731
+    launched = []
+    for _ in range(2):
+        gm = make_fx(fn, tracing_mode="fake")(x, w)
+        with compile_graph.lowering(small_contractions=False, saving=True):
+            boxed = compile_graph.compile_boxed(gm, "inductor")
+        bundle = getattr(boxed.code, "_triton_bundle", None)
+        launched.append(sum(bool(getattr(e.kernel, "launchers", None))
+                            for e in getattr(bundle, "static_autotuners", None) or ()))
+        assert isinstance(boxed.saved, bytes), boxed.saved
+        out = boxed([x, w])[0]
+    print("bundled kernels with launchers at compile time, first and second compile:", launched)
+    loaded = pickle.loads(pickle.dumps(boxed))
+    torch.testing.assert_close(loaded([x, w])[0], out, rtol=0, atol=0)
+    torch.testing.assert_close(out, fn(x, w)[0], rtol=1e-4, atol=1e-4)

@@ -137,10 +137,11 @@ class BoxedGraph:
     one (its generated source, its Triton kernels) and reloaded from that; an aten graph (the
     ``eager`` compiler) is stored as its code.
 
-    The Inductor graph is pickled when it is compiled, not when the program is saved: its bundle
-    holds Triton autotuners that, on an FX-graph-cache hit, are the very kernels the loaded code
-    runs, and a kernel that has run no longer pickles ("pickle should not be called after
-    make_launchers()", seen on the H100 for Gemma 4 E2B's second graph)."""
+    The Inductor graph is pickled when it is compiled, not when the program is saved, and its
+    bundled Triton kernels are pickled without their launchers
+    (:func:`torch_seams.launched_kernels_picklable`): on an FX-graph-cache hit they are the very
+    kernels the loaded code runs, and a kernel with launchers does not pickle ("pickle should not be
+    called after make_launchers()", seen on the H100 for Gemma 4 E2B's second graph)."""
 
     def __init__(self, code: Any, single: bool, saved: bytes | str | None = None):
         self.code = code      # a CompiledFxGraph, or a GraphCode under compiler="eager"
@@ -171,10 +172,11 @@ def saved_form(graph: Any) -> bytes | str:
     """``graph`` (a ``CompiledFxGraph``) pickled the way Inductor's cache stores one, or why it does
     not pickle. With no dispatch mode active: a constant must pickle as the real tensor it is."""
     try:  # a graph that cannot be prepared or pickled costs the save, never the compile
-        graph = copy.copy(graph)
-        graph.prepare_for_serialization()
-        with torch_seams.no_dispatch_modes():
-            return pickle.dumps(graph)
+        with torch_seams.launched_kernels_picklable(graph):
+            graph = copy.copy(graph)
+            graph.prepare_for_serialization()
+            with torch_seams.no_dispatch_modes():
+                return pickle.dumps(graph)
     except Exception as e:  # noqa: BLE001 - whatever stops it, the program is not saved, and says why
         return f"{type(e).__name__}: {e}"
 

@@ -175,18 +175,22 @@ def launched_kernels_picklable(graph: Any) -> Iterator[None]:
     ones the loaded code runs, and loading makes their launchers, so such a graph no longer pickles
     ("pickle should not be called after make_launchers()"). The kernels' own
     ``prepare_for_pickle`` / ``restore_after_unpickle`` pair (what Inductor's bundler calls to save
-    a kernel that has run) drops the launchers for the pickle and puts them back after."""
+    a kernel that has run) drops the launchers for the pickle and puts them back after; the
+    kernel's ``_reload_kernel`` closure likewise."""
     bundle = getattr(graph, "_triton_bundle", None)
     kernels = [entry.kernel for entry in getattr(bundle, "static_autotuners", None) or ()
-               if getattr(entry.kernel, "launchers", None)]
-    saved: list[Any] = []
+               if getattr(entry.kernel, "launchers", None) or getattr(entry.kernel, "_reload_kernel", None)]
+    saved: list[tuple[Any, Any]] = []
     try:
         for kernel in kernels:
-            saved.append(kernel.prepare_for_pickle())
+            # and the closure a loaded kernel reloads itself with (Inductor's saved copies have None)
+            saved.append((kernel.prepare_for_pickle(), getattr(kernel, "_reload_kernel", None)))
+            kernel._reload_kernel = None
         yield
     finally:
-        for kernel, old_values in zip(kernels, saved):
+        for kernel, (old_values, reload_kernel) in zip(kernels, saved):
             kernel.restore_after_unpickle(old_values)
+            kernel._reload_kernel = reload_kernel
 
 
 def static_input_indices() -> list[int]:

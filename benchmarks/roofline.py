@@ -25,6 +25,7 @@ copy) are kept beside them.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import sys
@@ -210,31 +211,25 @@ def run_variant(model_name: str, variant: str, args, device, dtype, weights, pea
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--models", default="gemma3n-e2b,gemma4-e2b")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--shapes", default=",".join(PREFILL_SHAPES))
-    parser.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
-    parser.add_argument("--context", type=int, default=DECODE_CONTEXT)
-    parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny shapes, 2 runs")
-    args = parser.parse_args()
-    if args.smoke:
-        args.models, args.shapes, args.decode_batches, args.context, args.runs = "tiny", "1x16,2x8", "1,2", 8, 2
-        args.variants = "inductor,ffp"
-        device, dtype = torch.device("cpu"), torch.float32
-    else:
-        device, dtype = torch.device("cuda"), torch.bfloat16
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    peak, bandwidth = card_limits(name)
-    base = {"device_name": name, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
-            "peak_tflops": peak, "bandwidth_gbps": bandwidth}
-    if device.type == "cuda":
-        base["measured"] = measured_ceilings()
-        print(json.dumps(base), flush=True)
-    records = []
+def parse_inductor_settings(text: str) -> dict[str, object]:
+    """``"a=1,b.c=True"`` -> ``{"a": 1, "b.c": True}``; a key Inductor does not have is an error."""
+    import torch._inductor.config as inductor_config
+    settings: dict[str, object] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, raw = item.partition("=")
+        if not sep or key not in inductor_config._config:
+            raise SystemExit(f"--inductor-config: {item!r} is not key=value with a key Inductor has")
+        try:
+            settings[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):  # a bare word: a string setting
+            settings[key] = raw
+    return settings
+
+
+def run_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, peak: float | None,
+               bandwidth: float | None, base: dict) -> list[dict]:
+    """Every model and variant asked for; the records so far written to ``args.out`` after each."""
+    records: list[dict] = []
     for model_name in args.models.split(","):
         torch.manual_seed(0)
         with torch.device(device):
@@ -249,6 +244,40 @@ def main() -> None:
                 json.dump(records, f, indent=1)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", default="gemma3n-e2b,gemma4-e2b")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--shapes", default=",".join(PREFILL_SHAPES))
+    parser.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
+    parser.add_argument("--context", type=int, default=DECODE_CONTEXT)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny shapes, 2 runs")
+    parser.add_argument("--inductor-config", default="",
+                        help="Inductor settings for every variant, to measure a lever: key=value,... (Python "
+                             "literals, else strings); recorded in each record")
+    args = parser.parse_args()
+    inductor_settings = parse_inductor_settings(args.inductor_config)
+    if args.smoke:
+        args.models, args.shapes, args.decode_batches, args.context, args.runs = "tiny", "1x16,2x8", "1,2", 8, 2
+        args.variants = "inductor,ffp"
+        device, dtype = torch.device("cpu"), torch.float32
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    peak, bandwidth = card_limits(name)
+    base = {"device_name": name, "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
+            "peak_tflops": peak, "bandwidth_gbps": bandwidth, "inductor_config": inductor_settings}
+    if device.type == "cuda":
+        base["measured"] = measured_ceilings()
+        print(json.dumps(base), flush=True)
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(inductor_settings):
+        records = run_models(args, device, dtype, peak, bandwidth, base)
     print(f"{'model':12s} {'shape':12s} {'variant':15s} {'ms':>9s} {'TFLOP':>8s} {'mfu':>6s} {'GB':>7s} {'of_bw':>6s}")
     for r in records:
         if "error" not in r:

@@ -228,6 +228,21 @@ def process_group_named(name: str) -> Any:
 
 # --- logging ---------------------------------------------------------------------------------
 
+def structured_trace_on() -> bool:
+    """Torch's structured trace writes (``TORCH_TRACE=DIR``, or a handler of the user's): torch's own
+    handler is always installed, and writes only once given a folder."""
+    from torch._logging import _internal
+    return any(getattr(h, "root_dir", True) is not None for h in _internal.trace_log.handlers)
+
+
+def trace_artifact(name: str, text: str) -> None:
+    """``text`` as an artifact of torch's structured trace: tlparse shows it under the compile it
+    belongs to, beside Dynamo's and Inductor's graphs."""
+    from torch._logging import _internal
+    _internal.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"},
+                               payload_fn=lambda: text)
+
+
 def register_torch_log(name: str, enable_now: bool) -> None:
     """``TORCH_LOGS=name`` turns the logger ``name`` on (``enable_now``: re-read TORCH_LOGS)."""
     from torch._logging import _internal

@@ -3,8 +3,10 @@
 Every pass has one signature, ``pass_(ctx) -> None``; it reads and writes the context (the graph,
 the plan, what the report will say) and declines a cut by raising :class:`Decline` with the reason.
 The pipeline is the one place that catches it: the graph is then compiled unchanged and the report
-says why. Each pass is timed (``ctx.seconds``); with ``FX_FASTPREFILL_DUMP_GRAPHS=DIR`` the graph
-after every pass that rewrites it is written to ``DIR`` (one file per graph and pass).
+says why. Each pass is timed (``ctx.seconds``). The graph after every pass that rewrites it goes to
+torch's structured trace (``TORCH_TRACE=DIR``, read with tlparse: artifact
+``fx_fastprefill_<k>_<pass>`` of the compile it belongs to) and, with
+``FX_FASTPREFILL_DUMP_GRAPHS=DIR``, to a file of ``DIR`` (one per graph and pass).
 
 Passes before ``copy_for_cut`` work on the graph that is compiled either way (linking the KV
 sources is part of every compile); the cut works on a copy, so a decline at any later point leaves
@@ -25,6 +27,8 @@ from typing import Callable
 
 import torch
 from torch.fx import GraphModule, Node
+
+from fx_fastprefill import torch_seams
 
 from .attention_nodes import AttentionNode
 from .cut_graph import CutError, cut_graph
@@ -181,6 +185,20 @@ REWRITES: dict[Pass, Callable[[PassContext], str]] = {
 }
 
 
+def _dump(ctx: PassContext, pass_: Pass, name: str, path: Path | None) -> None:
+    """The graph ``pass_`` left, to the structured trace while it writes, and to ``path``; printed
+    only if either wants it."""
+    tracing = torch_seams.structured_trace_on()
+    text = REWRITES[pass_](ctx) if tracing or path else ""
+    if not text:
+        return
+    if tracing:
+        torch_seams.trace_artifact(f"fx_fastprefill_{name}", text)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
 def _timed(ctx: PassContext, pass_: Pass) -> None:
     start = time.perf_counter()
     try:
@@ -215,11 +233,7 @@ def run_pipeline(ctx: PassContext, passes: list[Pass] = PIPELINE) -> PassContext
             if ctx.unchanged is not None and ctx.options.cudagraphs:  # it compiles unchanged: its pieces
                 _timed(ctx, pieces)
             break
-        if dump and pass_ in REWRITES:
-            path = Path(dump) / f"graph{graph_id}_{k:02d}_{name}.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            text = REWRITES[pass_](ctx)
-            if text:
-                path.write_text(text)
+        if pass_ in REWRITES:
+            _dump(ctx, pass_, f"{k:02d}_{name}", dump and Path(dump) / f"graph{graph_id}_{k:02d}_{name}.txt")
     log.debug("pass times (ms): %s", {n: round(1000 * s, 2) for n, s in ctx.seconds.items()})
     return ctx

@@ -265,3 +265,42 @@ def test_op_arguments_are_read_by_their_schema_names():
     bare = graph.call_function(torch.ops.aten.sum.dim_IntList, (x,))
     with pytest.raises(ValueError, match="lacks its argument 'dim'"):
         arg(bare, "dim")
+
+
+def test_the_graph_after_each_rewrite_goes_to_the_structured_trace():
+    """With torch's structured trace on (what ``TORCH_TRACE`` turns on), each rewriting pass's graph
+    is an artifact named by its place and pass, with the graph's code as its payload."""
+    import logging
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    trace_log = logging.getLogger("torch.__trace")
+    handler, level = Keep(), trace_log.level
+    trace_log.addHandler(handler)
+    trace_log.setLevel(logging.DEBUG)
+    try:
+        run_pipeline(PassContext(graph(), PipelineOptions()))
+    finally:
+        trace_log.removeHandler(handler)
+        trace_log.setLevel(level)
+    artifacts = {r.metadata["artifact"]["name"]: r.payload for r in records
+                 if "artifact" in r.metadata and r.metadata["artifact"]["name"].startswith("fx_fastprefill_")}
+    assert sorted(name.split("_", 3)[-1] for name in artifacts) == ["cut", "link", "narrow"], sorted(artifacts)
+    assert "fx_fastprefill.write_kv" in next(p for n, p in artifacts.items() if n.endswith("_link"))
+
+
+def test_with_the_structured_trace_off_no_graph_is_printed(monkeypatch):
+    """The trace's payload is made only while the trace is on: a compile pays nothing for it."""
+    import logging
+    from fx_fastprefill.passes import pipeline
+    trace_log = logging.getLogger("torch.__trace")  # torch's own handler alone, as outside pytest
+    torchs_own = [h for h in trace_log.handlers if type(h).__name__ == "LazyTraceHandler"]
+    monkeypatch.setattr(trace_log, "handlers", torchs_own)
+    monkeypatch.delenv("FX_FASTPREFILL_DUMP_GRAPHS", raising=False)
+    printed = []
+    monkeypatch.setitem(pipeline.REWRITES, pipeline.link, lambda ctx: printed.append(1) or "graph")
+    run_pipeline(PassContext(graph(), PipelineOptions()))
+    assert not printed

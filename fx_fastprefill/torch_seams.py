@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch._functorch.config as functorch_config  # noqa: F401  AOTAutograd's cache switches
 import torch.fx.experimental._config as fx_config  # noqa: F401  duck shaping, size-oblivious reasoning
-from torch._guards import TracingContext, tracing  # Inductor compiles one graph per tracing context
+from torch._guards import TracingContext  # what AOTAutograd and Inductor share about the graph being compiled
 
 
 def __getattr__(name: str) -> Any:
@@ -100,22 +100,6 @@ def guards_pickled_within(changed: Callable[[Any], contextlib.AbstractContextMan
         guards.pickle_guards_state = original
 
 
-@contextlib.contextmanager
-def external_refs_checked_with(extra_globals: dict[str, Any]) -> Any:
-    """Within: aot_compile's check that a function's globals hold every name its bytecode reads
-    also sees ``extra_globals`` (2.11 misses builtins reached through ``__builtins__``)."""
-    from torch._dynamo.convert_frame import GraphRuntimeEnv
-    original = GraphRuntimeEnv._check_external_refs
-
-    def check(self: Any, f_globals: dict[str, Any]) -> None:
-        original(self, {**extra_globals, **f_globals})
-    GraphRuntimeEnv._check_external_refs = check
-    try:
-        yield
-    finally:
-        GraphRuntimeEnv._check_external_refs = original
-
-
 # --- Inductor --------------------------------------------------------------------------------
 
 def compile_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -155,17 +139,35 @@ def mode_options(mode: str, dynamic: bool | None) -> dict[str, Any]:
 
 def reload_compiled_graph(graph: Any) -> Any:
     """A deserialized ``CompiledFxGraph`` made callable again: its source written back to Inductor's
-    code cache and loaded, what Inductor does on an FX-graph-cache hit (outside any tracing context:
-    its output strides are not the enclosing graph's). None where Inductor could not load it."""
+    code cache and loaded, what Inductor does on an FX-graph-cache hit (its output strides not
+    reported to the enclosing compile). None where Inductor could not load it."""
     from torch._inductor.codecache import FxGraphCache
     from torch._inductor.output_code import CompiledFxGraphConstants
     constants = CompiledFxGraphConstants()
     loaded, _ = FxGraphCache.cache_hit_post_compile(graph, {}, constants)
     if loaded is None:
         return None
-    with tracing(None):
+    with output_strides_unreported():
         loaded.post_compile([], constants, {"cudagraphs": False, "is_backward": False})
     return loaded
+
+
+@contextlib.contextmanager
+def output_strides_unreported() -> Iterator[None]:
+    """Within: Inductor reports no graph's output strides to the enclosing compile. AOTAutograd
+    restrides the outputs of the graph it compiles by what Inductor reports to its tracing context,
+    and a region or piece compiled inside the backend is not that graph (nor a graph reloaded
+    from a saved program, whose strides name symbols of the shape environment it was compiled in)."""
+    context = TracingContext.try_get()
+    if context is None:
+        yield
+        return
+    reported = context.output_strides
+    context.output_strides = None  # Inductor reports only to a list (set by AOT around its compile)
+    try:
+        yield
+    finally:
+        context.output_strides = reported
 
 
 @contextlib.contextmanager

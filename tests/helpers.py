@@ -4,6 +4,7 @@ two-layer model whose ending decides whether it can be cut."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import torch
@@ -19,6 +20,20 @@ from examples.blocks import Attention
 from examples.gemma3n import Config, Gemma3nLike
 
 aten = torch.ops.aten
+
+
+def compiling_in(fake_mode):
+    """As AOTAutograd compiles the graph a backend was given: inside a tracing context of the
+    inputs' fake mode, whose shape environment Inductor's FX graph cache keys and guards with
+    (without one, Inductor compiles uncached)."""
+    from torch._guards import TracingContext, tracing
+    return tracing(TracingContext(fake_mode)) if fake_mode is not None else contextlib.nullcontext()
+
+
+def fake_mode_of(gm: GraphModule):
+    """The fake mode a traced graph's placeholder values were made in."""
+    from torch._guards import detect_fake_mode
+    return detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
 
 
 def random_prompts(n, lo, hi, vocab, seed):

@@ -28,6 +28,7 @@ from fx_fastprefill.compilation.backend import FastPrefillBackend
 from fx_fastprefill.passes.pipeline import PIPELINE
 from tests.children import run_child
 from tests.distributed import run_ranks
+from tests.helpers import compiling_in, fake_mode_of
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.program_cache
@@ -183,7 +184,8 @@ def test_regions_are_keyed_by_the_package_sources_and_compiled_under_the_users_t
     from fx_fastprefill.compilation.compile_graph import inductor
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     gm = make_fx(lambda x: (torch.relu(x) * 2,))(torch.randn(8))
-    example = [FakeTensorMode(shape_env=ShapeEnv()).from_tensor(torch.randn(8))]  # as a region's inputs are
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    example = [fake_mode.from_tensor(torch.randn(8))]  # as a region's inputs are
     tags = []
 
     class UsersPass(CustomGraphPass):
@@ -198,7 +200,7 @@ def test_regions_are_keyed_by_the_package_sources_and_compiled_under_the_users_t
         before = dict(counters["inductor"])
         with torch.compiler.config.patch(cache_key_tag="the program's tag"), \
                 torch._inductor.config.patch(post_grad_custom_post_pass=UsersPass()), \
-                program_cache.compiling_regions("a user's tag"):
+                program_cache.compiling_regions("a user's tag"), compiling_in(fake_mode):
             inductor(gm, example, ())
         return next(k for k in ("fxgraph_cache_miss", "fxgraph_cache_hit")
                     if counters["inductor"][k] > before.get(k, 0))
@@ -347,7 +349,7 @@ def test_a_compiled_graph_is_saved_as_it_was_compiled(tmp_path, monkeypatch):
     outs = {}
     for saving in (True, False):
         gm = make_fx(lambda a, b: (torch.relu(a @ b) * 2,), tracing_mode="fake")(x, w)  # aten, fake values
-        with compile_graph.lowering(small_contractions=False, saving=saving):
+        with compile_graph.lowering(small_contractions=False, saving=saving), compiling_in(fake_mode_of(gm)):
             boxed = compile_graph.compile_boxed(gm, "inductor")
         outs[saving] = boxed([x, w])[0]
         boxed.code.launched_kernel = lambda: None  # as a kernel that has run
@@ -540,7 +542,7 @@ def test_a_graph_loaded_from_inductors_cache_is_saved_on_the_gpu(tmp_path, monke
     launched = []
     for _ in range(2):
         gm = make_fx(fn, tracing_mode="fake")(x, w)
-        with compile_graph.lowering(small_contractions=False, saving=True):
+        with compile_graph.lowering(small_contractions=False, saving=True), compiling_in(fake_mode_of(gm)):
             boxed = compile_graph.compile_boxed(gm, "inductor")
         bundle = getattr(boxed.code, "_triton_bundle", None)
         launched.append(sum(bool(getattr(e.kernel, "launchers", None))

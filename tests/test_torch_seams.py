@@ -101,16 +101,27 @@ def test_a_backend_result_is_wrapped_for_saving_once():
 
 
 def test_the_patching_seams_put_torch_back():
-    """Entered and left, the function each patches is the original again."""
+    """Entered and left, the function it patches is the original again."""
     from torch._dynamo import guards
-    from torch._dynamo.convert_frame import GraphRuntimeEnv
-    pickle_state, check = guards.pickle_guards_state, GraphRuntimeEnv._check_external_refs
+    pickle_state = guards.pickle_guards_state
     import contextlib
     with torch_seams.guards_pickled_within(lambda state: contextlib.nullcontext()):
         assert guards.pickle_guards_state is not pickle_state
-    with torch_seams.external_refs_checked_with({}):
-        assert GraphRuntimeEnv._check_external_refs is not check
-    assert guards.pickle_guards_state is pickle_state and GraphRuntimeEnv._check_external_refs is check
+    assert guards.pickle_guards_state is pickle_state
+
+
+def test_output_strides_stay_out_of_the_enclosing_compile():
+    """A region compiled or reloaded inside AOTAutograd's compile reports no output strides to it
+    (AOT restrides its own graph's outputs by what is reported), and the context is put back."""
+    from torch._guards import TracingContext, tracing
+    with torch_seams.output_strides_unreported():  # outside any compile: nothing to keep apart
+        pass
+    context = TracingContext(None)
+    with tracing(context):
+        context.output_strides = reported = []
+        with torch_seams.output_strides_unreported():
+            assert context.output_strides is None
+        assert context.output_strides is reported
 
 
 def test_the_fake_and_dispatch_seams():

@@ -48,30 +48,21 @@ def lowering(*, small_contractions: bool, saving: bool = True) -> Iterator[None]
 
 
 def inductor(gm: GraphModule, example_inputs: Sequence, static_input_idxs: Sequence[int]) -> BoxedFn:
-    """``compile_fx_inner`` on one graph that returns a tuple, in its own tracing context (Inductor
-    records the output strides of one graph per context); parameters (``static_input_idxs``) keep
-    their addresses."""
+    """``compile_fx_inner`` on one graph that returns a tuple, inside the enclosing compile's tracing
+    context (its fake mode and shape environment, which Inductor's FX graph cache keys and guards
+    with) but with its output strides kept out of that context's; parameters
+    (``static_input_idxs``) keep their addresses."""
     if _SMALL_CONTRACTIONS.get():
         gm, count = rewrite_small_contractions(gm)
         if count:
             log.debug("%d small contractions of a graph computed as fused multiply-sums", count)
     # Inductor's own CUDA graphs off (the package records its own): it boxes the config's setting.
     def compile_graph() -> Any:
-        with torch_seams.tracing(torch_seams.TracingContext(_fake_mode(example_inputs))), exact_size_reasoning(), \
+        with torch_seams.output_strides_unreported(), exact_size_reasoning(), \
                 torch_seams.inductor_config.patch({"triton.cudagraphs": False}):
             return torch_seams.compile_fx_inner(gm, list(example_inputs), is_inference=True,
                                                 static_input_idxs=list(static_input_idxs))
     return dropping_damaged_files(compile_graph, "compiling a graph")
-
-
-def _fake_mode(example_inputs: Sequence) -> Any:
-    """The fake mode the graph's inputs were made in (the enclosing compile's where none is fake)."""
-    for value in example_inputs:
-        mode = getattr(value, "fake_mode", None)
-        if mode is not None:
-            return mode
-    context = torch_seams.TracingContext.try_get()
-    return context.fake_mode if context is not None else None
 
 
 def returns_tuple(gm: GraphModule) -> bool:

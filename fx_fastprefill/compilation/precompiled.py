@@ -153,11 +153,25 @@ def _local_key_order() -> contextlib.AbstractContextManager:
     return torch_seams.guards_pickled_within(local_only)
 
 
-def _builtins_resolve() -> contextlib.AbstractContextManager:
-    """torch 2.11's check that a compiled function's globals hold every name its bytecode reads
-    misses that builtins (``type``) resolve through ``__builtins__``, and refuses the function
-    aot_compile just made; 2.13 saves the builtins it reads. The check, given the builtins too."""
-    return torch_seams.external_refs_checked_with(vars(builtins))
+@contextlib.contextmanager
+def _builtins_resolve(f_globals: dict[str, Any]) -> Iterator[None]:
+    """torch 2.11's aot_compile checks that the traced function's globals (``f_globals``) hold every
+    name its bytecode reads, missing that builtins (``type``) resolve through ``__builtins__``, and
+    refuses the function it just made; 2.13 saves the builtins it reads. On 2.11 and 2.12 the
+    builtins the module does not define are put in its globals while compiling (the very objects a
+    lookup finds anyway) and taken out after."""
+    if torch.__version__ >= "2.13":
+        yield
+        return
+    added = {name: value for name, value in vars(builtins).items()
+             if name not in f_globals and not name.startswith("__")}
+    f_globals.update(added)
+    try:
+        yield
+    finally:
+        for name, value in added.items():
+            if f_globals.get(name) is value:
+                del f_globals[name]
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -321,7 +335,8 @@ class PrecompiledFunction:
             switches = {"enable_aot_compile": True} if hasattr(torch_seams.dynamo_config, "enable_aot_compile") \
                 else {}
             with context, torch_seams.dynamo_config.patch(specialize_float=True, **switches), \
-                    without(self.model, self.hidden), _builtins_resolve(), _local_key_order():
+                    without(self.model, self.hidden), _builtins_resolve(_traced_function(self.method).__globals__), \
+                    _local_key_order():
                 function = torch.compile(self.method, fullgraph=True, **options).aot_compile((args, kwargs))
         except Exception as e:  # noqa: BLE001 - the path compiles as without precompiling: counted, logged
             log.debug("precompiling %s failed", self.name, exc_info=True)

@@ -25,6 +25,9 @@ from fx_fastprefill.compilation import precompiled
 from tests.children import run_child
 
 pytestmark = pytest.mark.program_cache
+# The decode backend of the CPU tests: Dynamo only (no Inductor compile), except on torch 2.11, which
+# cannot save an eager-backend function ("Unexpected raw Node during pickling", its GraphModule pickler).
+CPU_DECODE_BACKEND = "eager" if torch.__version__ >= "2.13" else "inductor"
 
 
 def _child(cache_dir: Path, *args: str) -> dict:
@@ -34,12 +37,9 @@ def _child(cache_dir: Path, *args: str) -> dict:
 def _restart(tmp_path: Path, device: str) -> None:
     pytest.importorskip("transformers")
     folder, cache = str(tmp_path / "precompiled"), tmp_path / "cache"
-    # On the CPU the decode is precompiled with the eager backend: Dynamo's function saved and loaded
+    # On the CPU the decode is precompiled with CPU_DECODE_BACKEND: Dynamo's function saved and loaded
     # the same way, without two more Inductor compiles (the GPU test runs Inductor's CUDA graphs).
-    # torch 2.11 cannot save an eager-backend function ("Unexpected raw Node during pickling", its
-    # GraphModule pickler): there the CPU test precompiles Inductor's decode too.
-    eager_decode = device == "cpu" and torch.__version__ >= "2.13"
-    decode = ["--device", device, "--decode-backend", "eager" if eager_decode else "inductor"]
+    decode = ["--device", device, "--decode-backend", "inductor" if device == "cuda" else CPU_DECODE_BACKEND]
     cold = _child(cache, folder, "--batches", "1,2", *decode)
     assert cold["loaded"] == {"prefill": 0, "decode": 0}, cold
     assert cold["compiled"] == {"prefill": 2, "decode": 2}, cold  # batch 1, then batch-dynamic
@@ -335,7 +335,8 @@ def _generate_equals_the_uncompiled_model(folder, **options) -> dict:
     torch.manual_seed(0)
     model, reference = hf_gemma4.smallest(), hf_gemma4.smallest()
     reference.load_state_dict(model.state_dict())
-    fx_fastprefill.compile_for_generate(model, precompile=folder, compiler="eager", decode_backend="eager", **options)
+    fx_fastprefill.compile_for_generate(model, precompile=folder, compiler="eager", decode_backend=CPU_DECODE_BACKEND,
+                                        **options)
     ids = torch.randint(3, model.config.vocab_size, (1, 9))
     greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     with torch.no_grad():

@@ -174,8 +174,8 @@ def saved_form(graph: Any) -> bytes | str:
 
 def _reload(graph: Any) -> Any:
     """A deserialized ``CompiledFxGraph`` made callable again: its source written back to Inductor's
-    code cache and loaded (what Inductor does on an FX-graph-cache hit), outside any tracing context
-    (its output strides are not the enclosing graph's)."""
+    code cache and loaded (what Inductor does on an FX-graph-cache hit), its output strides not
+    reported to the enclosing compile (they are not the enclosing graph's)."""
     loaded = dropping_damaged_files(lambda: torch_seams.reload_compiled_graph(graph), "loading a cached program")
     if loaded is None:
         raise RuntimeError("a compiled graph of the cached program could not be reloaded from Inductor's code cache")

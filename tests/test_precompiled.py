@@ -37,8 +37,8 @@ def _child(cache_dir: Path, *args: str) -> dict:
 def _restart(tmp_path: Path, device: str) -> None:
     pytest.importorskip("transformers")
     folder, cache = str(tmp_path / "precompiled"), tmp_path / "cache"
-    # On the CPU the decode is precompiled with CPU_DECODE_BACKEND: Dynamo's function saved and loaded
-    # the same way, without two more Inductor compiles (the GPU test runs Inductor's CUDA graphs).
+    # On the CPU the decode is precompiled with CPU_DECODE_BACKEND (eager: Dynamo's function saved and
+    # loaded the same way, without two more Inductor compiles); the GPU test runs Inductor's CUDA graphs.
     decode = ["--device", device, "--decode-backend", "inductor" if device == "cuda" else CPU_DECODE_BACKEND]
     cold = _child(cache, folder, "--batches", "1,2", *decode)
     assert cold["loaded"] == {"prefill": 0, "decode": 0}, cold

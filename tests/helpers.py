@@ -33,7 +33,9 @@ def compiling_in(fake_mode):
 def fake_mode_of(gm: GraphModule):
     """The fake mode a traced graph's placeholder values were made in."""
     from torch._guards import detect_fake_mode
-    return detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+
+    from fx_fastprefill.compilation.compile_graph import example_inputs
+    return detect_fake_mode(example_inputs(gm))
 
 
 def random_prompts(n, lo, hi, vocab, seed):
